@@ -1,0 +1,326 @@
+"""CacheStore: LRU and capacity in bytes, pinning, write-back to and read-through from the stage below."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+from ucm.store.cache import CacheStore
+from ucm.store.posix import PosixStore
+
+NBYTES = 100  # block size in these tests; capacities below are multiples of it plus slack
+POISON = 0xA5
+
+
+def make_keys(n: int, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+def make_blocks(n: int, nbytes: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+
+
+def poisoned(n: int, nbytes: int = NBYTES) -> torch.Tensor:
+    return torch.full((n, nbytes), POISON, dtype=torch.uint8)
+
+
+class DictStore(UcmKVStoreBase):
+    """Fault-injection stage below: blocks in a dict; ``dump`` blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, torch.Tensor] = {}
+        self.release = threading.Event()
+        self.release.set()
+        self.dump_started = threading.Event()
+        self.dumped: list[bytes] = []
+        self.closed = False
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.blocks:
+            n += 1
+        return n
+
+    def load(self, keys: Sequence[bytes], dst: torch.Tensor) -> Task:
+        check_keys_and_buffer(keys, dst, "dst")
+        failed = set()
+        for i, key in enumerate(keys):
+            if key in self.blocks and self.blocks[key].numel() == dst.shape[1]:
+                dst[i].copy_(self.blocks[key])
+            else:
+                failed.add(i)
+        return Task.completed(TaskResult(len(keys), frozenset(failed)))
+
+    def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
+        check_keys_and_buffer(keys, src, "src")
+        self.dump_started.set()
+        assert self.release.wait(timeout=10), "test did not release the blocked dump"
+        for i, key in enumerate(keys):
+            self.blocks[key] = src[i].clone()
+            self.dumped.append(key)
+        return Task.completed(TaskResult(len(keys)))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_capacity_must_be_positive() -> None:
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="capacity_bytes"):
+            CacheStore(None, bad)
+
+
+def test_dram_only_round_trip_and_lru_order() -> None:
+    cache = CacheStore(None, 3 * NBYTES + 50)
+    keys = make_keys(4, seed=1)
+    src = make_blocks(4, NBYTES, seed=2)
+    assert cache.wait(cache.dump(keys[:3], src[:3])).ok
+    assert cache.cached_keys() == keys[:3]
+    # Loading key 0 makes it most recently used; the next insert evicts key 1, the least recently used.
+    dst = poisoned(1)
+    assert cache.wait(cache.load(keys[:1], dst)).ok
+    assert torch.equal(dst[0], src[0])
+    assert cache.cached_keys() == [keys[1], keys[2], keys[0]]
+    assert cache.wait(cache.dump(keys[3:], src[3:])).ok
+    assert cache.cached_keys() == [keys[2], keys[0], keys[3]]
+    assert cache.used_bytes == 3 * NBYTES
+    # lookup does not touch the LRU order; dump of a cached key does.
+    assert cache.lookup([keys[2]]) == 1
+    assert cache.cached_keys() == [keys[2], keys[0], keys[3]]
+    assert cache.wait(cache.dump(keys[2:3], src[2:3])).ok
+    assert cache.cached_keys() == [keys[0], keys[3], keys[2]]
+    dst = poisoned(4)
+    result = cache.wait(cache.load(keys, dst))
+    assert result.failed == {1}
+    for i in (0, 2, 3):
+        assert torch.equal(dst[i], src[i])
+    cache.close()
+
+
+def test_capacity_respected_in_bytes() -> None:
+    cache = CacheStore(None, 3 * NBYTES + 99)
+    keys = make_keys(10, seed=3)
+    src = make_blocks(10, NBYTES, seed=4)
+    cache.wait(cache.dump(keys, src))
+    assert cache.used_bytes == 3 * NBYTES <= cache.capacity_bytes
+    assert cache.cached_keys() == keys[7:]
+    # Blocks of another size share the same byte budget.
+    big_keys = make_keys(2, seed=5)
+    assert cache.wait(cache.dump(big_keys[:1], make_blocks(1, 2 * NBYTES, seed=6))).ok
+    assert cache.used_bytes == 3 * NBYTES
+    assert cache.cached_keys() == [keys[9], big_keys[0]]
+    cache.close()
+
+
+def test_dram_only_too_big_block_fails() -> None:
+    cache = CacheStore(None, NBYTES - 1)
+    keys = make_keys(2, seed=7)
+    assert cache.wait(cache.dump(keys, make_blocks(2, NBYTES, seed=8))).failed == {0, 1}
+    assert cache.used_bytes == 0 and cache.lookup(keys) == 0
+
+
+def test_pinned_blocks_are_not_evicted() -> None:
+    inner = DictStore()
+    inner.release.clear()  # hold the write-back in flight: its blocks stay pinned
+    cache = CacheStore(inner, 2 * NBYTES)
+    keys = make_keys(4, seed=9)
+    src = make_blocks(4, NBYTES, seed=10)
+    first = cache.dump(keys[:2], src[:2])
+    assert inner.dump_started.wait(timeout=10)
+    assert not cache.check(first)
+    # The cache is full of pinned blocks: key 2 is not cached (nothing evicted) but still goes below.
+    second = cache.dump(keys[2:3], src[2:3])
+    assert cache.cached_keys() == keys[:2]
+    assert cache.lookup(keys[:2]) == 2  # visible from DRAM while the write-back is in flight
+    inner.release.set()
+    assert cache.wait(first).ok and cache.wait(second).ok
+    cache.flush()
+    assert set(inner.blocks) == set(keys[:3])
+    # Unpinned now: the next insert evicts the least recently used.
+    assert cache.wait(cache.dump(keys[3:], src[3:])).ok
+    assert cache.cached_keys() == [keys[1], keys[3]]
+    dst = poisoned(4)
+    assert cache.wait(cache.load(keys, dst)).ok
+    assert torch.equal(dst, src)
+    cache.close()
+    assert inner.closed
+
+
+def test_write_back_reaches_posix(tmp_path: Path) -> None:
+    dirs = f"{tmp_path / 'a'}:{tmp_path / 'b'}"
+    cache = CacheStore(PosixStore(dirs), 8 * NBYTES)
+    keys = make_keys(20, seed=11)
+    src = make_blocks(20, NBYTES, seed=12)
+    task = cache.dump(keys, src)
+    cache.flush()
+    assert cache.check(task) and cache.wait(task).ok
+    fresh = PosixStore(dirs)
+    dst = poisoned(20)
+    assert fresh.wait(fresh.load(keys, dst)).ok
+    assert torch.equal(dst, src)
+    fresh.close()
+    cache.close()
+    cache.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        cache.dump(keys, src)
+
+
+def test_read_through_promotion(tmp_path: Path) -> None:
+    kv = str(tmp_path / "kv")
+    keys = make_keys(6, seed=13)
+    src = make_blocks(6, NBYTES, seed=14)
+    writer = PosixStore(kv)
+    assert writer.wait(writer.dump(keys, src)).ok
+    writer.close()
+
+    cache = CacheStore(PosixStore(kv), 4 * NBYTES)
+    assert cache.cached_keys() == []
+    assert cache.lookup(keys) == 6
+    dst = poisoned(1)
+    assert cache.wait(cache.load(keys[:1], dst)).ok  # all missed DRAM: loaded from storage straight into dst
+    assert torch.equal(dst[0], src[0])
+    assert cache.cached_keys() == keys[:1]
+    # Key 0 now comes from DRAM, the others from storage into a staging buffer, then into the right rows.
+    dst = poisoned(6)
+    assert cache.wait(cache.load(keys, dst)).ok
+    assert torch.equal(dst, src)
+    assert cache.cached_keys() == keys[2:6]  # promoted within capacity, LRU-evicting the oldest
+    # The promoted blocks are served from DRAM even once storage loses them.
+    for path in (tmp_path / "kv").rglob("*.ucmb"):
+        path.unlink()
+    dst = poisoned(6)
+    result = cache.wait(cache.load(keys, dst))
+    assert result.failed == {0, 1}
+    assert torch.equal(dst[2:], src[2:])
+    cache.close()
+
+
+def test_load_mixed_tiers_and_missing() -> None:
+    inner = DictStore()
+    cache = CacheStore(inner, 10 * NBYTES)
+    keys = make_keys(6, seed=15)
+    src = make_blocks(6, NBYTES, seed=16)
+    assert cache.wait(cache.dump(keys[:2], src[:2])).ok  # DRAM and below
+    inner.blocks[keys[3]] = src[3].clone()  # below only
+    inner.blocks[keys[5]] = src[5].clone()
+    del inner.blocks[keys[1]]  # DRAM only
+    dst = poisoned(6)
+    result = cache.wait(cache.load(keys, dst))
+    assert result.failed == {2, 4}
+    for i in (0, 1, 3, 5):
+        assert torch.equal(dst[i], src[i])
+    assert torch.equal(dst[2], poisoned(1)[0]) and torch.equal(dst[4], poisoned(1)[0])
+    cache.close()
+
+
+def test_lookup_across_tiers() -> None:
+    inner = DictStore()
+    cache = CacheStore(inner, 10 * NBYTES)
+    keys = make_keys(6, seed=17)
+    src = make_blocks(6, NBYTES, seed=18)
+    assert cache.wait(cache.dump([keys[0], keys[1], keys[4]], src[[0, 1, 4]])).ok
+    cache.flush()
+    for k in (keys[0], keys[1], keys[4]):
+        del inner.blocks[k]  # those three in DRAM only
+    inner.blocks[keys[2]] = src[2].clone()  # those two below only
+    inner.blocks[keys[3]] = src[3].clone()
+    assert cache.lookup(keys) == 5  # DRAM, DRAM, below, below, DRAM, missing
+    del inner.blocks[keys[3]]
+    assert cache.lookup(keys) == 3
+    assert cache.lookup(keys[5:]) == 0
+    assert cache.lookup([]) == 0
+    cache.close()
+
+
+def test_too_big_block_goes_to_inner_only(tmp_path: Path) -> None:
+    kv = str(tmp_path / "kv")
+    cache = CacheStore(PosixStore(kv), NBYTES // 2)
+    keys = make_keys(3, seed=19)
+    src = make_blocks(3, NBYTES, seed=20)
+    assert cache.wait(cache.dump(keys, src)).ok
+    assert cache.cached_keys() == [] and cache.used_bytes == 0
+    posix = PosixStore(kv)
+    assert posix.lookup(keys) == 3
+    posix.close()
+    dst = poisoned(3)
+    assert cache.wait(cache.load(keys, dst)).ok  # from storage, not promoted (too big)
+    assert torch.equal(dst, src)
+    assert cache.cached_keys() == []
+    cache.close()
+
+
+def test_failed_write_back_of_uncached_block_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    regular = tmp_path / "regular_file"
+    regular.write_bytes(b"x")
+    posix = PosixStore(str(tmp_path / "kv"))
+    monkeypatch.setattr(posix, "_dirs", [str(regular / "kv")])  # every write fails (ENOTDIR)
+    cache = CacheStore(posix, 2 * NBYTES)
+    keys = make_keys(3, seed=21)
+    # Keys 0 and 1 fit in DRAM (held, so not failed); key 2 fits nowhere.
+    result = cache.wait(cache.dump(keys, make_blocks(3, NBYTES, seed=22)))
+    assert result.failed == {2}
+    assert cache.lookup(keys) == 2
+    cache.close()
+
+
+def test_failed_write_back_is_retried_on_next_dump() -> None:
+    inner = DictStore()
+
+    def failing_dump(keys: Sequence[bytes], src: torch.Tensor) -> Task:
+        return Task.completed(TaskResult(len(keys), frozenset(range(len(keys)))))
+
+    cache = CacheStore(inner, 4 * NBYTES)
+    keys = make_keys(2, seed=23)
+    src = make_blocks(2, NBYTES, seed=24)
+    inner.dump = failing_dump  # type: ignore[method-assign]
+    assert cache.wait(cache.dump(keys, src)).ok  # held in DRAM
+    del inner.dump  # back to the class's dump
+    assert cache.wait(cache.dump(keys, src)).ok
+    assert set(inner.blocks) == set(keys)
+    inner.dumped.clear()
+    assert cache.wait(cache.dump(keys, src)).ok
+    assert inner.dumped == []  # already below: no third write
+    cache.close()
+
+
+def test_concurrent_dumps_and_loads() -> None:
+    inner = DictStore()
+    cache = CacheStore(inner, 16 * NBYTES)
+    keys = make_keys(64, seed=25)
+    src = make_blocks(64, NBYTES, seed=26)
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(150):
+            idx = rng.sample(range(64), 5)
+            if rng.random() < 0.5:
+                if not cache.wait(cache.dump([keys[i] for i in idx], src[idx])).ok:
+                    errors.append("dump failed")
+            else:
+                dst = poisoned(5)
+                result = cache.wait(cache.load([keys[i] for i in idx], dst))
+                for j, i in enumerate(idx):
+                    if j not in result.failed and not torch.equal(dst[j], src[i]):
+                        errors.append(f"wrong bytes for key {i}")
+            if cache.used_bytes > cache.capacity_bytes:
+                errors.append("over capacity")
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    cache.flush()
+    assert errors == []
+    dst = poisoned(64)
+    assert cache.wait(cache.load(keys, dst)).failed == {i for i in range(64) if keys[i] not in inner.blocks}
+    cache.close()

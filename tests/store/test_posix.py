@@ -1,0 +1,408 @@
+"""PosixStore on real temp dirs: round trips, prefix lookup, damaged files, I/O errors, two processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucm.store.base import Task, TaskResult
+from ucm.store.posix import FILE_SUFFIX, FORMAT_VERSION, HEADER, HEADER_NBYTES, MAGIC, TMP_SUFFIX, PosixStore
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BLOCK_NBYTES = [1, 1000, 4099]  # odd sizes: nothing assumes a power of two
+POISON = 0xA5
+
+
+def make_keys(n: int, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+def make_blocks(n: int, nbytes: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+
+
+def poisoned(n: int, nbytes: int) -> torch.Tensor:
+    return torch.full((n, nbytes), POISON, dtype=torch.uint8)
+
+
+def all_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = PosixStore(str(tmp_path / "kv"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ucm_log(caplog: pytest.LogCaptureFixture):
+    """Capture UCM's log records (the ``ucm`` logger does not propagate to the root logger)."""
+    ucm_logger = logging.getLogger("ucm")
+    ucm_logger.addHandler(caplog.handler)
+    caplog.set_level(logging.DEBUG, logger="ucm")
+    yield caplog
+    ucm_logger.removeHandler(caplog.handler)
+
+
+def test_header_layout() -> None:
+    assert HEADER_NBYTES == HEADER.size == 44
+    assert FORMAT_VERSION == 1
+    assert MAGIC == b"UCMB"
+
+
+@pytest.mark.parametrize("nbytes", BLOCK_NBYTES, ids=lambda n: f"nbytes{n}")
+def test_round_trip_two_dirs(tmp_path: Path, nbytes: int) -> None:
+    d0, d1 = tmp_path / "a", tmp_path / "b"
+    store = PosixStore(f"{d0}:{d1}", io_threads=3)
+    keys = make_keys(97, seed=1)
+    src = make_blocks(97, nbytes, seed=2)
+    result = store.wait(store.dump(keys, src))
+    assert result == TaskResult(97)
+    assert store.lookup(keys) == 97
+    # Keys spread over both dirs, each file where the placement rule puts it, with the documented size.
+    for key in keys:
+        d = (d0, d1)[int.from_bytes(key[:8], "little") % 2]
+        h = key.hex()
+        path = d / h[:2] / h[2:4] / (h + FILE_SUFFIX)
+        assert path.stat().st_size == HEADER_NBYTES + nbytes
+    assert all_files(d0) and all_files(d1)
+    dst = poisoned(97, nbytes)
+    assert store.wait(store.load(keys, dst)).ok
+    assert torch.equal(dst, src)
+    store.close()
+
+
+def test_list_of_dirs_equals_colon_string(tmp_path: Path) -> None:
+    d0, d1 = str(tmp_path / "a"), str(tmp_path / "b")
+    keys = make_keys(20, seed=3)
+    src = make_blocks(20, 64, seed=4)
+    with_list = PosixStore([d0, d1])
+    assert with_list.wait(with_list.dump(keys, src)).ok
+    with_string = PosixStore(f"{d0}:{d1}")
+    dst = poisoned(20, 64)
+    assert with_string.wait(with_string.load(keys, dst)).ok
+    assert torch.equal(dst, src)
+    with_list.close()
+    with_string.close()
+
+
+def test_lookup_prefix_semantics(store: PosixStore) -> None:
+    keys = make_keys(6, seed=5)
+    src = make_blocks(6, 32, seed=6)
+    present = [0, 1, 2, 4, 5]  # key 3 missing in the middle
+    assert store.wait(store.dump([keys[i] for i in present], src[present])).ok
+    assert store.lookup(keys) == 3
+    assert store.lookup(keys[:3]) == 3
+    assert store.lookup(keys[4:]) == 2
+    assert store.lookup(keys[3:]) == 0
+    assert store.lookup([]) == 0
+
+
+def test_load_missing_key_fails_only_that_index(store: PosixStore) -> None:
+    keys = make_keys(5, seed=7)
+    src = make_blocks(5, 100, seed=8)
+    assert store.wait(store.dump(keys[:2] + keys[3:], src[[0, 1, 3, 4]])).ok
+    dst = poisoned(5, 100)
+    result = store.wait(store.load(keys, dst))
+    assert result.failed == {2}
+    for i in (0, 1, 3, 4):
+        assert torch.equal(dst[i], src[i])
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])
+
+
+def _truncate_header(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: HEADER_NBYTES // 2])
+
+
+def _flip(offset: int):
+    def damage(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0x01
+        path.write_bytes(bytes(data))
+
+    return damage
+
+
+def _zero_length(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _trailing_garbage(path: Path) -> None:
+    with path.open("ab") as f:
+        f.write(b"\x00garbage")
+
+
+DAMAGES = {
+    "truncated_payload": _truncate,
+    "truncated_header": _truncate_header,
+    "flip_payload_first": _flip(HEADER_NBYTES),
+    "flip_payload_last": _flip(-1),
+    "flip_magic": _flip(0),
+    "flip_version": _flip(4),
+    "flip_codec": _flip(6),
+    "flip_nbytes": _flip(12),
+    "flip_key": _flip(20),
+    "flip_checksum": _flip(36),
+    "zero_length": _zero_length,
+    "trailing_garbage": _trailing_garbage,
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES.values()), ids=list(DAMAGES))
+def test_damaged_file_is_a_failed_key(store: PosixStore, damage, ucm_log) -> None:
+    keys = make_keys(3, seed=9)
+    src = make_blocks(3, 257, seed=10)
+    assert store.wait(store.dump(keys, src)).ok
+    path = Path(store.block_path(keys[1]))
+    damage(path)
+    dst = poisoned(3, 257)
+    result = store.wait(store.load(keys, dst))
+    assert result.failed == {1}
+    assert torch.equal(dst[0], src[0]) and torch.equal(dst[2], src[2])
+    warnings = [r for r in ucm_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+
+
+def test_wrong_key_file_is_a_failed_key(store: PosixStore) -> None:
+    keys = make_keys(2, seed=11)
+    src = make_blocks(2, 300, seed=12)
+    assert store.wait(store.dump(keys[:1], src[:1])).ok
+    b_path = Path(store.block_path(keys[1]))
+    b_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(store.block_path(keys[0]), b_path)
+    assert store.lookup(keys) == 2  # lookup reads no data: the file exists
+    dst = poisoned(2, 300)
+    assert store.wait(store.load(keys, dst)).failed == {1}
+    assert torch.equal(dst[0], src[0])
+
+
+def test_wrong_block_size_is_a_failed_key(store: PosixStore) -> None:
+    keys = make_keys(1, seed=13)
+    assert store.wait(store.dump(keys, make_blocks(1, 100, seed=14))).ok
+    assert store.wait(store.load(keys, poisoned(1, 101))).failed == {0}
+    assert store.wait(store.load(keys, poisoned(1, 99))).failed == {0}
+
+
+def test_missing_file_logs_at_debug_only(store: PosixStore, ucm_log) -> None:
+    keys = make_keys(1, seed=15)
+    assert store.wait(store.load(keys, poisoned(1, 8))).failed == {0}
+    assert [r.levelno for r in ucm_log.records] == [logging.DEBUG]
+
+
+def test_no_temp_files_left_and_existing_block_skipped(store: PosixStore, tmp_path: Path) -> None:
+    keys = make_keys(50, seed=16)
+    src = make_blocks(50, 123, seed=17)
+    assert store.wait(store.dump(keys, src)).ok
+    files = all_files(tmp_path / "kv")
+    assert len(files) == 50
+    assert not [p for p in files if p.name.startswith(".") or p.name.endswith(TMP_SUFFIX)]
+    # A second dump of the same keys (even with other bytes) keeps the existing files: content is keyed.
+    inodes = {p: p.stat().st_ino for p in files}
+    assert store.wait(store.dump(keys, make_blocks(50, 123, seed=18))).ok
+    assert {p: p.stat().st_ino for p in all_files(tmp_path / "kv")} == inodes
+    dst = poisoned(50, 123)
+    assert store.wait(store.load(keys, dst)).ok
+    assert torch.equal(dst, src)
+
+
+def test_duplicate_keys_in_one_batch(store: PosixStore) -> None:
+    key = make_keys(1, seed=19)[0]
+    src = make_blocks(1, 77, seed=20).repeat(8, 1)
+    assert store.wait(store.dump([key] * 8, src)).ok
+    dst = poisoned(8, 77)
+    assert store.wait(store.load([key] * 8, dst)).ok
+    assert torch.equal(dst, src)
+
+
+def test_empty_batch_is_completed(store: PosixStore) -> None:
+    empty = torch.empty((0, 16), dtype=torch.uint8)
+    for task in (store.dump([], empty), store.load([], empty)):
+        assert isinstance(task, Task) and store.check(task)
+        assert store.wait(task) == TaskResult(0)
+
+
+def test_bad_arguments_raise(store: PosixStore) -> None:
+    keys = make_keys(2, seed=21)
+    with pytest.raises(TypeError):
+        store.dump(keys, torch.zeros((2, 8), dtype=torch.int32))
+    with pytest.raises(ValueError):
+        store.dump(keys, torch.zeros((3, 8), dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        store.load([b"short"], torch.zeros((1, 8), dtype=torch.uint8))
+    with pytest.raises(TypeError):
+        store.lookup(["not bytes"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("spec", ["", "a::b", ":"], ids=["empty", "empty_middle", "only_colon"])
+def test_empty_backend_raises(tmp_path: Path, spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="storage_backends"):
+        PosixStore(spec)
+
+
+def test_backend_that_is_a_file_raises(tmp_path: Path) -> None:
+    regular = tmp_path / "regular"
+    regular.write_bytes(b"x")
+    with pytest.raises(ValueError, match=str(regular)):
+        PosixStore(f"{tmp_path / 'ok'}:{regular}")
+    with pytest.raises(ValueError, match="regular"):
+        PosixStore(str(regular / "sub"))
+
+
+def test_bad_io_threads_raises(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="io_threads"):
+        PosixStore(str(tmp_path), io_threads=0)
+
+
+def test_close_is_idempotent_and_final(tmp_path: Path) -> None:
+    store = PosixStore(str(tmp_path))
+    store.close()
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.dump(make_keys(1, seed=22), make_blocks(1, 4, seed=23))
+
+
+def _make_unwritable(store: PosixStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every write under the store fail: chmod if that works, else (root) a dir under a regular file."""
+    root = Path(store.dirs[0])
+    root.chmod(0o555)
+    if not os.access(root, os.W_OK):
+        return
+    root.chmod(0o755)
+    regular = tmp_path / "regular_file"
+    regular.write_bytes(b"x")
+    monkeypatch.setattr(store, "_dirs", [str(regular / "kv")])
+
+
+def test_unwritable_dir_dump_fails_with_one_warning(
+    store: PosixStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ucm_log
+) -> None:
+    _make_unwritable(store, tmp_path, monkeypatch)
+    keys = make_keys(4, seed=24)
+    src = make_blocks(4, 64, seed=25)
+    try:
+        assert store.wait(store.dump(keys, src)).failed == {0, 1, 2, 3}
+        assert store.wait(store.dump(keys, src)).failed == {0, 1, 2, 3}
+    finally:
+        (tmp_path / "kv").chmod(0o755)
+    warnings = [r for r in ucm_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1  # one warning per errno kind, the rest at debug level
+    assert store.lookup(keys) == 0
+    assert not [p for p in all_files(tmp_path / "kv")]
+
+
+def test_write_error_midway_removes_temp_file(
+    store: PosixStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ucm_log
+) -> None:
+    """A full disk (ENOSPC) during the payload write: failed key, temp file removed, nothing visible."""
+    import errno
+
+    import ucm.store.posix as posix
+
+    real_write = os.write
+    calls = {"n": 0}
+
+    def flaky_write(fd: int, data) -> int:
+        calls["n"] += 1
+        if calls["n"] == 2:  # header succeeds, payload hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(posix.os, "write", flaky_write)
+    keys = make_keys(1, seed=26)
+    assert store.wait(store.dump(keys, make_blocks(1, 500, seed=27))).failed == {0}
+    monkeypatch.setattr(posix.os, "write", real_write)
+    assert all_files(tmp_path / "kv") == []
+    assert store.lookup(keys) == 0
+    assert any("ENOSPC" in r.getMessage() for r in ucm_log.records if r.levelno == logging.WARNING)
+
+
+def test_short_writes_are_completed(store: PosixStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ucm.store.posix as posix
+
+    real_write = os.write
+    monkeypatch.setattr(posix.os, "write", lambda fd, data: real_write(fd, bytes(data)[:7]))
+    keys = make_keys(3, seed=28)
+    src = make_blocks(3, 100, seed=29)
+    assert store.wait(store.dump(keys, src)).ok
+    monkeypatch.setattr(posix.os, "write", real_write)
+    dst = poisoned(3, 100)
+    assert store.wait(store.load(keys, dst)).ok
+    assert torch.equal(dst, src)
+
+
+_CHILD = """
+import random, sys, torch
+from ucm.store.posix import PosixStore
+dirs, mode, n, nbytes, key_seed, data_seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+rng = random.Random(key_seed)
+keys = [rng.randbytes(16) for _ in range(n)]
+gen = torch.Generator().manual_seed(data_seed)
+src = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+store = PosixStore(dirs)
+if mode == "dump":
+    ok = store.wait(store.dump(keys, src)).ok
+else:
+    dst = torch.zeros_like(src)
+    ok = store.lookup(keys) == n and store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
+store.close()
+sys.exit(0 if ok else 1)
+"""
+
+
+def _child(dirs: str, mode: str, n: int, nbytes: int, key_seed: int, data_seed: int) -> list[str]:
+    return [sys.executable, "-c", _CHILD, dirs, mode, str(n), str(nbytes), str(key_seed), str(data_seed)]
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_second_process_reads_what_first_wrote(tmp_path: Path) -> None:
+    dirs = f"{tmp_path / 'a'}:{tmp_path / 'b'}"
+    store = PosixStore(dirs)
+    keys = make_keys(40, seed=30)
+    src = make_blocks(40, 999, seed=31)
+    assert store.wait(store.dump(keys, src)).ok
+    store.close()
+    proc = subprocess.run(
+        _child(dirs, "load", 40, 999, 30, 31), env=_child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_concurrent_writer_processes(tmp_path: Path) -> None:
+    """Two processes dump the same keys at once: every block ends up whole, no temp files remain."""
+    dirs = str(tmp_path / "kv")
+    procs = [
+        subprocess.Popen(_child(dirs, "dump", 200, 513, 32, 33), env=_child_env(), stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    store = PosixStore(dirs)
+    keys = make_keys(200, seed=32)
+    dst = poisoned(200, 513)
+    assert store.wait(store.load(keys, dst)).ok
+    assert torch.equal(dst, make_blocks(200, 513, seed=33))
+    assert len(all_files(tmp_path / "kv")) == 200
+    store.close()

@@ -1,0 +1,263 @@
+"""The UCM YAML schema: typed, strict, with every default filled in.
+
+The config comes either from a YAML file named by ``UCM_CONFIG_FILE`` in vLLM's ``kv_connector_extra_config``, or
+inline: the same keys placed directly in ``kv_connector_extra_config``. Example (``examples/ucm_config_example.yaml``)::
+
+    ucm_connectors:
+      - ucm_connector_name: "UcmPipelineStore"
+        ucm_connector_config:
+          store_pipeline: "Cache|Posix"
+          storage_backends: "/mnt/kv"        # one directory, or several joined by ':'
+          cache_buffer_capacity_gb: 64
+    enable_event_sync: true
+    use_layerwise: false
+
+Every problem (unknown key, wrong type, unsupported value, missing file) raises one :class:`UcmConfigError` that
+names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
+DEFAULT_STORAGE_DIR = ".ucm_store"
+GIB = 1 << 30
+
+# Pipelines this version builds. ``Cache|Compress|Posix`` (KVfold) is part of the design but not built yet.
+SUPPORTED_PIPELINES = ("Cache|Posix", "Posix")
+PLANNED_PIPELINES = ("Cache|Compress|Posix", "Compress|Posix")
+
+
+class UcmConfigError(ValueError):
+    """The UCM config is invalid. The message names the key, the bad value and the allowed values."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class UcmPipelineStoreConfig(_Strict):
+    """``ucm_connector_config`` of a ``UcmPipelineStore``: the store pipeline and its stages' settings."""
+
+    store_pipeline: str = Field("Cache|Posix", description="Stages top first, joined by '|': 'Cache|Posix' or 'Posix'.")
+    storage_backends: str = Field(
+        DEFAULT_STORAGE_DIR,
+        description="Posix stage: directory, or several joined by ':' (blocks spread by key).",
+    )
+    cache_buffer_capacity_gb: float = Field(
+        4.0, gt=0, description="Cache stage: DRAM capacity in GiB (LRU; blocks in use are never evicted)."
+    )
+    io_direct: bool = Field(False, description="Posix stage: O_DIRECT I/O (not available yet; must be false).")
+    posix_io_engine: Literal["psync"] = Field(
+        "psync", description="Posix stage: I/O engine; 'psync' = thread pool of positional reads/writes."
+    )
+    posix_io_threads: int = Field(8, ge=1, le=256, description="Posix stage: I/O threads per process.")
+    compress_ratio: int = Field(32, description="Compress stage (KVfold): 32 = off. Needs a Compress stage.")
+    data_type: int = Field(0, description="Compress stage: KV dtype code, 0 = BF16. Needs a Compress stage.")
+    decompress_thread_num: int = Field(
+        4, ge=1, description="Compress stage: decompression threads. Needs a Compress stage."
+    )
+
+    @field_validator("cache_buffer_capacity_gb", mode="before")
+    @classmethod
+    def _int_is_float(cls, value: Any) -> Any:
+        # YAML writes 64 as an int; strict mode would refuse it for a float field.
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("store_pipeline")
+    @classmethod
+    def _known_pipeline(cls, value: str) -> str:
+        normalized = "|".join(part.strip() for part in value.split("|"))
+        if normalized in PLANNED_PIPELINES:
+            raise ValueError(
+                f"store_pipeline {value!r} needs the Compress (KVfold) stage, which this UCM version does not "
+                f"build yet; allowed: {', '.join(map(repr, SUPPORTED_PIPELINES))}"
+            )
+        if normalized not in SUPPORTED_PIPELINES:
+            raise ValueError(
+                f"store_pipeline {value!r} is not a known pipeline; allowed: "
+                f"{', '.join(map(repr, SUPPORTED_PIPELINES))}"
+            )
+        return normalized
+
+    @field_validator("storage_backends")
+    @classmethod
+    def _dirs(cls, value: str) -> str:
+        if not [d for d in value.split(":") if d.strip()]:
+            raise ValueError(f"storage_backends {value!r} names no directory; give one path or several joined by ':'")
+        return value
+
+    @field_validator("io_direct")
+    @classmethod
+    def _no_direct_yet(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("io_direct: true is not available in this UCM version; allowed: false")
+        return value
+
+    @model_validator(mode="after")
+    def _compress_keys_need_compress_stage(self) -> UcmPipelineStoreConfig:
+        if "Compress" not in self.store_pipeline.split("|"):
+            defaults = {"compress_ratio": 32, "data_type": 0, "decompress_thread_num": 4}
+            changed = [k for k, v in defaults.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} only apply to a pipeline with a Compress stage; "
+                    f"store_pipeline is {self.store_pipeline!r}: remove them or leave the defaults {defaults}"
+                )
+        return self
+
+    @property
+    def storage_dirs(self) -> list[str]:
+        """The directories of ``storage_backends``, in order."""
+        return [d for d in self.storage_backends.split(":") if d.strip()]
+
+    @property
+    def cache_buffer_capacity_bytes(self) -> int:
+        """``cache_buffer_capacity_gb`` in bytes (GiB = 2**30 bytes)."""
+        return int(self.cache_buffer_capacity_gb * GIB)
+
+
+class UcmConnectorEntry(_Strict):
+    """One entry of ``ucm_connectors``: a named store connector and its config."""
+
+    ucm_connector_name: Literal["UcmPipelineStore"] = "UcmPipelineStore"
+    ucm_connector_config: UcmPipelineStoreConfig = Field(
+        default_factory=lambda: UcmPipelineStoreConfig.model_validate({})
+    )
+
+
+class UcmConfig(_Strict):
+    """The whole UCM config (top level of the YAML)."""
+
+    ucm_connectors: list[UcmConnectorEntry] = Field(
+        default_factory=lambda: [UcmConnectorEntry.model_validate({})],
+        description="Store connectors; this version takes exactly one UcmPipelineStore.",
+    )
+    enable_event_sync: bool = Field(
+        True, description="Device builds: gathers wait on the compute stream's event. No effect on CPU."
+    )
+    use_layerwise: bool = Field(False, description="Layer-by-layer load/dump (not available yet; must be false).")
+    enable_record_traces: bool = Field(False, description="Record per-transfer traces (not available yet).")
+
+    @field_validator("ucm_connectors")
+    @classmethod
+    def _one_connector(cls, value: list[UcmConnectorEntry]) -> list[UcmConnectorEntry]:
+        if len(value) != 1:
+            raise ValueError(f"ucm_connectors has {len(value)} entries; this UCM version takes exactly 1")
+        return value
+
+    @model_validator(mode="after")
+    def _unbuilt_features(self) -> UcmConfig:
+        if self.use_layerwise:
+            raise ValueError("use_layerwise: true is not available in this UCM version; allowed: false")
+        if self.enable_record_traces:
+            raise ValueError("enable_record_traces: true is not available in this UCM version; allowed: false")
+        return self
+
+    @property
+    def store(self) -> UcmPipelineStoreConfig:
+        """The config of the (single) UcmPipelineStore."""
+        return self.ucm_connectors[0].ucm_connector_config
+
+    def to_log_dict(self) -> dict[str, Any]:
+        """The config with every default filled in, as a plain dict (for the start-up log line)."""
+        return self.model_dump(mode="json")
+
+
+def _valid_keys(model: type[BaseModel]) -> str:
+    return ", ".join(sorted(model.model_fields))
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
+    """The schema model that owns the key at ``loc`` (for naming valid keys in an unknown-key error)."""
+    names = [part for part in loc if isinstance(part, str)]
+    if "ucm_connector_config" in names:
+        return UcmPipelineStoreConfig
+    if "ucm_connectors" in names:
+        return UcmConnectorEntry
+    return UcmConfig
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top level>"
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = _format_loc(loc[:-1])
+            lines.append(f"unknown key {loc[-1]!r} in {parent}; valid keys: {_valid_keys(_model_at(loc[:-1]))}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{_format_loc(loc)}: {msg} (got {e.get('input')!r})")
+    return f"invalid UCM config ({source}):\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: dict[str, Any] | None, source: str = "inline") -> UcmConfig:
+    """Validate a config mapping (the YAML's top level) and fill in defaults.
+
+    Raises:
+        UcmConfigError: unknown keys, wrong types or unsupported values, each named with the allowed ones.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UcmConfigError(
+            f"invalid UCM config ({source}): the top level must be a mapping, got {type(data).__name__}"
+        )
+    try:
+        return UcmConfig.model_validate(data)
+    except ValidationError as err:
+        raise UcmConfigError(_format_errors(err, source)) from None
+
+
+def load_config_file(path: str | os.PathLike[str]) -> UcmConfig:
+    """Read and validate a UCM YAML file.
+
+    Raises:
+        UcmConfigError: the file is missing or unreadable, is not valid YAML, or fails validation.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise UcmConfigError(f"cannot read UCM config file {str(p)!r} ({CONFIG_FILE_KEY}): {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise UcmConfigError(f"UCM config file {str(p)!r} is not valid YAML: {err}") from None
+    return parse_config(data, source=str(p))
+
+
+def config_from_extra_config(extra: dict[str, Any] | None) -> UcmConfig:
+    """The UCM config from vLLM's ``kv_connector_extra_config``.
+
+    Either ``{"UCM_CONFIG_FILE": "<path>"}`` (nothing else) or the config's keys inline; an empty or missing
+    mapping gives the defaults (``Cache|Posix`` over ``./.ucm_store``).
+
+    Raises:
+        UcmConfigError: both a file and inline keys are given, or the config is invalid.
+    """
+    extra = dict(extra or {})
+    if CONFIG_FILE_KEY in extra:
+        path = extra.pop(CONFIG_FILE_KEY)
+        if extra:
+            raise UcmConfigError(
+                f"kv_connector_extra_config has {CONFIG_FILE_KEY} and inline keys {sorted(extra)}; "
+                f"give either the file or the keys inline, not both"
+            )
+        if not isinstance(path, (str, os.PathLike)):
+            raise UcmConfigError(f"{CONFIG_FILE_KEY} must be a path string, got {path!r}")
+        return load_config_file(path)
+    return parse_config(extra, source="kv_connector_extra_config")

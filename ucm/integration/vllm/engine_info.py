@@ -1,0 +1,145 @@
+"""What UCM needs to know about a vLLM engine: the KV spec, the block-key namespace and the paged KV layout."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ucm.hashing import KVNamespace
+from ucm.kernels.layouts import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# CPU_ATTN kernel variants whose in-block layout (K transposed per block and head, then V) UCM has verified
+# against vLLM 0.32's cpu_attn_reshape_and_cache. Others (amx, neon, vsx, vxe, rvv) are refused, not guessed.
+VERIFIED_CPU_ISAS = ("vec", "vec16")
+
+
+class UnsupportedEngineError(RuntimeError):
+    """The engine's KV cache is of a kind UCM does not handle (hybrid groups, unknown layout, ...)."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The engine's KV cache, as UCM sees it (one full-attention group).
+
+    Attributes:
+        layer_names: attention layers in canonical-block order.
+        block_size: tokens per block.
+        num_kv_heads: KV heads on this rank.
+        head_dim: elements per head.
+        dtype: KV dtype.
+    """
+
+    layer_names: tuple[str, ...]
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one canonical block (all layers, K and V)."""
+        return (
+            len(self.layer_names)
+            * 2
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * (torch.empty((), dtype=self.dtype).element_size())
+        )
+
+
+def kv_spec(kv_cache_config: KVCacheConfig) -> KVSpec:
+    """Read the KV spec from vLLM's ``KVCacheConfig``.
+
+    Raises:
+        UnsupportedEngineError: several KV cache groups (hybrid models), non-attention specs, or K/V head sizes
+            that differ.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedEngineError(
+            f"UCM handles models with one KV cache group; this engine has {len(groups)} "
+            f"({[type(g.kv_cache_spec).__name__ for g in groups]})"
+        )
+    spec: Any = groups[0].kv_cache_spec
+    for attr in ("num_kv_heads", "head_size", "dtype", "block_size"):
+        if not hasattr(spec, attr):
+            raise UnsupportedEngineError(f"UCM needs an attention KV spec, got {type(spec).__name__}")
+    head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
+    if head_size_v != spec.head_size:
+        raise UnsupportedEngineError(f"K head size {spec.head_size} != V head size {head_size_v}: not supported")
+    return KVSpec(
+        layer_names=tuple(groups[0].layer_names),
+        block_size=int(spec.block_size),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        dtype=spec.dtype,
+    )
+
+
+def model_identity(vllm_config: VllmConfig) -> str:
+    """Model name/path and revision, plus a digest of its HF config (architecture, sizes, RoPE, ...)."""
+    mc = vllm_config.model_config
+    try:
+        hf = json.dumps(mc.hf_config.to_dict(), sort_keys=True, default=str)
+    except Exception:  # pragma: no cover - exotic configs
+        hf = repr(mc.hf_config)
+    digest = hashlib.blake2b(hf.encode(), digest_size=8).hexdigest()
+    return f"{mc.model}@{mc.revision or ''}#{digest}"
+
+
+def namespace(vllm_config: VllmConfig, spec: KVSpec, tp_rank: int) -> KVNamespace:
+    """The block-key namespace of this engine and rank."""
+    return KVNamespace(
+        model=model_identity(vllm_config),
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        block_size=spec.block_size,
+        num_layers=len(spec.layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=tp_rank,
+    )
+
+
+def detect_layout(vllm_config: VllmConfig, spec: KVSpec, cache: torch.Tensor) -> KVLayout:
+    """The paged KV layout of this engine, from its platform and attention kernel variant.
+
+    Raises:
+        UnsupportedEngineError: the platform or kernel variant stores KV in a layout UCM has not verified, or the
+            tensor's shape does not match the detected layout.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_dim, vllm_config.cache_config.cache_dtype)
+        if isa not in VERIFIED_CPU_ISAS:
+            raise UnsupportedEngineError(
+                f"vLLM's CPU attention uses kernel variant {isa!r} on this machine; UCM knows the KV layout of "
+                f"{list(VERIFIED_CPU_ISAS)} only and refuses to guess"
+            )
+        want = (spec.num_kv_heads, spec.block_size, 2 * spec.head_dim)
+        layout = KVLayout.CPU_ATTN
+        ok = cache.dim() == 4 and tuple(cache.shape[1:]) == want
+    else:
+        want = (spec.block_size, spec.num_kv_heads, spec.head_dim)
+        layout = KVLayout.FLASH_NHD
+        ok = cache.dim() == 5 and cache.shape[0] == 2 and tuple(cache.shape[2:]) == want and cache.is_contiguous()
+    if not ok:
+        raise UnsupportedEngineError(
+            f"paged KV tensor {tuple(cache.shape)} does not match layout {layout.value} for "
+            f"block_size={spec.block_size}, num_kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}"
+        )
+    if cache.dtype != spec.dtype:
+        raise UnsupportedEngineError(f"paged KV dtype {cache.dtype} != KV spec dtype {spec.dtype} (quantized KV?)")
+    return layout

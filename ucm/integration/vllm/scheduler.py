@@ -1,0 +1,169 @@
+"""Scheduler side of UCMConnector: block keys, lookups, and the per-step load/dump plan. No tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ucm.config import UcmConfig
+from ucm.hashing import block_keys, request_seed
+from ucm.integration.vllm.engine_info import KVSpec
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.logger import init_logger
+from ucm.store.base import UcmKVStoreBase
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _RequestState:
+    keys: list[bytes]  # keys of the prompt's full blocks
+    num_stored: int  # leading blocks found in the store at lookup
+    num_hbm: int = 0  # leading blocks vLLM already held (its own prefix cache)
+    load_block_ids: list[int] | None = None  # vLLM blocks to fill from the store, keys[num_hbm:...]
+    next_dump: int = 0  # index of the next prompt block to dump
+    block_ids: list[int] | None = None
+    logged: bool = False
+
+
+def _mm_block_extras(request: Request, num_blocks: int, block_size: int) -> list[list[str]] | None:
+    """Identifiers of multimodal inputs overlapping each block (as vLLM's prefix hash includes them)."""
+    features = getattr(request, "mm_features", None) or []
+    if not features:
+        return None
+    extras: list[list[str]] = [[] for _ in range(num_blocks)]
+    for f in features:
+        start, length = f.mm_position.offset, f.mm_position.length
+        for b in range(start // block_size, min(num_blocks, (start + length - 1) // block_size + 1)):
+            extras[b].append(str(f.identifier))
+    return extras
+
+
+class UCMScheduler:
+    """Decides, per request, how many tokens come from the store and which blocks to load and dump.
+
+    Args:
+        config: the UCM config.
+        spec: the engine's KV spec.
+        namespace_digest: 16-byte block-key namespace (``ucm.hashing.KVNamespace.digest``).
+        store: the store pipeline (lookups only).
+        load: whether this role loads (kv_both, kv_consumer).
+        dump: whether this role dumps (kv_both, kv_producer).
+    """
+
+    def __init__(
+        self,
+        config: UcmConfig,
+        spec: KVSpec,
+        namespace_digest: bytes,
+        store: UcmKVStoreBase,
+        *,
+        load: bool,
+        dump: bool,
+    ) -> None:
+        self._config = config
+        self._block_size = spec.block_size
+        self._namespace = namespace_digest
+        self._store = store
+        self._load = load
+        self._dump = dump
+        self._requests: dict[str, _RequestState] = {}
+
+    def _keys(self, request: Request) -> list[bytes]:
+        tokens = request.prompt_token_ids
+        if tokens is None:  # prompt embeddings: no token ids to key on
+            return []
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        seed = request_seed(self._namespace, request.cache_salt, lora)
+        num_blocks = len(tokens) // self._block_size
+        return block_keys(seed, tokens, self._block_size, _mm_block_extras(request, num_blocks, self._block_size))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's HBM hit) that the store can supply; loads are synchronous.
+
+        A hit on the whole prompt leaves its last token to compute (vLLM needs one token to produce logits).
+        """
+        state = self._requests.get(request.request_id)
+        if state is None:
+            keys = self._keys(request)
+            num_stored = self._store.lookup(keys) if keys else 0
+            state = _RequestState(keys=keys, num_stored=num_stored)
+            self._requests[request.request_id] = state
+        else:  # called again (not scheduled last time, or preempted): the store may have changed
+            state.num_stored = self._store.lookup(state.keys) if state.keys else 0
+        num_hbm = num_computed_tokens // self._block_size
+        state.num_hbm = num_hbm
+        num_external = 0
+        if self._load and state.num_stored > num_hbm:
+            num_external = (state.num_stored - num_hbm) * self._block_size
+            num_prompt = request.num_prompt_tokens
+            if num_computed_tokens + num_external >= num_prompt:
+                num_external = num_prompt - 1 - num_computed_tokens
+            num_external = max(num_external, 0)
+        if not state.logged:
+            state.logged = True
+            logger.info(
+                "request_id: %s, total_blocks_num: %d, hit hbm: %d, hit external: %d",
+                request.request_id,
+                len(state.keys),
+                num_hbm,
+                -(-num_external // self._block_size),
+            )
+        return num_external, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Record the vLLM blocks that the store's blocks go into."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = block_ids
+        state.next_dump = max(state.next_dump, state.num_stored)
+        if num_external_tokens > 0:
+            num_load = -(-num_external_tokens // self._block_size)
+            start = state.num_hbm
+            state.load_block_ids = block_ids[start : start + num_load]
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UCMConnectorMetadata:
+        """The loads and dumps of this step. Dumps cover prompt blocks that become full in this step."""
+        meta = UCMConnectorMetadata()
+        scheduled: list[tuple[str, int, list[int] | None, bool]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            scheduled.append((new.req_id, new.num_computed_tokens, list(new.block_ids[0]), True))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            scheduled.append((req_id, cached.num_computed_tokens[i], list(new_ids[0]) if new_ids else None, resumed))
+        for req_id, num_computed, new_block_ids, replace in scheduled:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            if replace or state.block_ids is None:
+                state.block_ids = new_block_ids or []
+            elif new_block_ids:
+                state.block_ids.extend(new_block_ids)
+            if state.load_block_ids:
+                start = state.num_hbm
+                keys = state.keys[start : start + len(state.load_block_ids)]
+                meta.loads.append(BlockTransfer(req_id, keys, state.load_block_ids))
+                state.load_block_ids = None
+            if not self._dump:
+                continue
+            done_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full = min(len(state.keys), done_tokens // self._block_size, len(state.block_ids))
+            if full > state.next_dump:
+                meta.dumps.append(
+                    BlockTransfer(req_id, state.keys[state.next_dump : full], state.block_ids[state.next_dump : full])
+                )
+                state.next_dump = full
+        return meta
+
+    def request_finished(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self._requests.pop(request_id, None)

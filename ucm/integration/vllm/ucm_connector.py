@@ -1,0 +1,164 @@
+"""UCMConnector: vLLM KV connector (``KVConnectorBase_V1``) backed by a UCM store pipeline.
+
+Use it with::
+
+    vllm serve <model> --kv-transfer-config '{"kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm.integration.vllm.ucm_connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"UCM_CONFIG_FILE": "ucm_config.yaml"}}'
+
+The class only routes: by role, to :class:`~ucm.integration.vllm.scheduler.UCMScheduler` (block keys, lookups,
+per-step plan) or :class:`~ucm.integration.vllm.worker.UCMWorker` (load + scatter, gather + dump).
+``kv_role``: ``kv_both`` loads and dumps, ``kv_producer`` only dumps, ``kv_consumer`` only loads.
+
+A block that fails to load is reported to vLLM, which recomputes it: UCM sets vLLM's
+``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``, would abort the request).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from ucm.config import UcmConfig, config_from_extra_config
+from ucm.integration.vllm.engine_info import detect_layout, kv_spec, namespace
+from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.scheduler import UCMScheduler
+from ucm.integration.vllm.worker import UCMWorker
+from ucm.logger import init_logger
+from ucm.store.pipeline import release_shared_store, shared_store
+
+if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+_logged_config = False
+
+
+def _log_config_once(config: UcmConfig) -> None:
+    global _logged_config
+    if not _logged_config:
+        _logged_config = True
+        logger.info("Using UCM with config: %s", config.to_log_dict())
+
+
+class UCMConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector over a UCM store pipeline (see the module docstring).
+
+    Raises (at construction):
+        UcmConfigError: the UCM config is invalid or its file is missing.
+        ValueError: ``kv_role`` is not one of kv_both, kv_producer, kv_consumer.
+        UnsupportedEngineError: the engine's KV cache is not one UCM handles.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # checked by the base class
+        kv_role = transfer.kv_role
+        if kv_role not in KV_ROLES:
+            raise ValueError(f"UCMConnector: kv_role {kv_role!r} is not supported; allowed: {list(KV_ROLES)}")
+        self._ucm_config = config_from_extra_config(transfer.kv_connector_extra_config)
+        _log_config_once(self._ucm_config)
+        self._spec = kv_spec(kv_cache_config)
+        self._store = shared_store(self._ucm_config.store)
+        self._closed = False
+        load, dump = kv_role in ("kv_both", "kv_consumer"), kv_role in ("kv_both", "kv_producer")
+
+        self._scheduler: UCMScheduler | None = None
+        self._worker: UCMWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                transfer.kv_load_failure_policy = "recompute"
+                logger.info("kv_load_failure_policy set to 'recompute': a block that fails to load is recomputed")
+            ns = namespace(vllm_config, self._spec, tp_rank=0)
+            self._scheduler = UCMScheduler(self._ucm_config, self._spec, ns.digest(), self._store, load=load, dump=dump)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+            self._worker = UCMWorker(
+                self._spec,
+                self._store,
+                lambda cache: detect_layout(vllm_config, self._spec, cache),
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+            )
+
+    # ---------------------------------------------------------------- worker side
+    def _meta(self) -> UCMConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, UCMConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Blockwise: every layer was loaded in start_load_kv.
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        # Blockwise: all layers are gathered together in wait_for_save.
+        return None
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._worker.shutdown()
+        release_shared_store(self._ucm_config.store)
+
+    # ------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Dumps are gathered during the step that fills a block, so blocks can be freed at once.
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])

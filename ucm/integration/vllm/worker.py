@@ -1,0 +1,159 @@
+"""Worker side of UCMConnector: moves KV between vLLM's paged cache and the store (blockwise).
+
+Per step: ``start_load_kv`` loads every block the scheduler planned, all layers at once, and scatters them into the
+paged KV before the forward pass; ``wait_for_save`` gathers the blocks that became full during the pass into a
+staging buffer and hands it to the store, whose writes finish in the background (the gather is the only part the
+step waits for, so vLLM may reuse the blocks as soon as it returns).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ucm.hashing import KEY_NBYTES
+from ucm.integration.vllm.engine_info import KVSpec
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks
+from ucm.logger import init_logger
+from ucm.store.base import Task, UcmKVStoreBase
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+logger = init_logger(__name__)
+
+
+def rank_keys(keys: list[bytes], tp_rank: int, tp_size: int) -> list[bytes]:
+    """Per-rank keys: unchanged with one rank; otherwise each rank's shard gets its own key."""
+    if tp_size == 1:
+        return keys
+    import hashlib
+
+    return [hashlib.blake2b(k + tp_rank.to_bytes(4, "little"), digest_size=KEY_NBYTES).digest() for k in keys]
+
+
+class UCMWorker:
+    """Loads and dumps canonical blocks for one worker (one TP rank).
+
+    Args:
+        spec: the engine's KV spec (layer order, block_size, heads, dtype).
+        store: the store pipeline.
+        layout_fn: detects the paged layout from one layer's KV tensor (``engine_info.detect_layout``).
+        tp_rank / tp_size: tensor-parallel rank and size.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        store: UcmKVStoreBase,
+        layout_fn: Callable[[torch.Tensor], KVLayout],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self._spec = spec
+        self._store = store
+        self._layout_fn = layout_fn
+        self._tp_rank, self._tp_size = tp_rank, tp_size
+        self._kv_caches: list[torch.Tensor] = []
+        self._layout: KVLayout | None = None
+        self._load_errors: set[int] = set()
+        self._pending_dumps: list[tuple[Task, torch.Tensor, int]] = []
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take vLLM's per-layer paged KV tensors, ordered as the KV spec's layers.
+
+        Raises:
+            ValueError: a layer of the KV spec has no tensor.
+            UnsupportedEngineError: the layout is not one UCM handles.
+        """
+        missing = [name for name in self._spec.layer_names if name not in kv_caches]
+        if missing:
+            raise ValueError(f"kv_caches lacks layers {missing[:4]}... of the KV spec")
+        self._kv_caches = [kv_caches[name] for name in self._spec.layer_names]
+        self._layout = self._layout_fn(self._kv_caches[0])
+        logger.info(
+            "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block",
+            len(self._kv_caches),
+            self._layout.value,
+            self._spec.block_size,
+            self._spec.block_nbytes / 2**20,
+        )
+
+    def _staging(self, n: int) -> torch.Tensor:
+        s = self._spec
+        shape = (n, *canonical_block_shape(len(self._kv_caches), s.block_size, s.num_kv_heads, s.head_dim))
+        return torch.empty(shape, dtype=s.dtype, device="cpu")
+
+    @staticmethod
+    def _flatten(transfers: list[BlockTransfer]) -> tuple[list[bytes], list[int]]:
+        keys: list[bytes] = []
+        block_ids: list[int] = []
+        for t in transfers:
+            keys.extend(t.keys)
+            block_ids.extend(t.block_ids)
+        return keys, block_ids
+
+    def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
+        """Load the step's planned blocks and scatter them into the paged KV (synchronous, all layers).
+
+        Blocks the store cannot produce are recorded for :meth:`get_block_ids_with_load_errors` (vLLM recomputes
+        them) and are not written to the paged KV.
+        """
+        if not meta.loads or self._layout is None:
+            return
+        keys, block_ids = self._flatten(meta.loads)
+        staging = self._staging(len(keys))
+        rows = staging.view(torch.uint8).view(len(keys), -1)
+        result = self._store.wait(self._store.load(rank_keys(keys, self._tp_rank, self._tp_size), rows))
+        ok = [i for i in range(len(keys)) if i not in result.failed]
+        if result.failed:
+            failed_ids = {block_ids[i] for i in result.failed}
+            self._load_errors |= failed_ids
+            logger.warning("%d of %d blocks failed to load; vLLM recomputes them", len(failed_ids), len(keys))
+        if not ok:
+            return
+        device = self._kv_caches[0].device
+        src = staging if len(ok) == len(keys) else staging[ok]
+        ids = torch.tensor([block_ids[i] for i in ok], dtype=torch.int64)
+        scatter_blocks(src.to(device, non_blocking=True), self._kv_caches, ids.to(device), self._layout)
+        logger.debug("loaded %d blocks", len(ok))
+
+    def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
+        """Gather the step's newly full blocks and start their dump (the store finishes writing in background)."""
+        self._reap_dumps(block=False)
+        if not meta.dumps or self._layout is None:
+            return
+        keys, block_ids = self._flatten(meta.dumps)
+        device = self._kv_caches[0].device
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        if device.type == "cpu":
+            staging = gather_blocks(self._kv_caches, ids, self._layout, out=self._staging(len(keys)))
+        else:
+            staging = gather_blocks(self._kv_caches, ids, self._layout).to("cpu")
+        rows = staging.view(torch.uint8).view(len(keys), -1)
+        task = self._store.dump(rank_keys(keys, self._tp_rank, self._tp_size), rows)
+        # Keep the staging buffer alive until the store has finished with it.
+        self._pending_dumps.append((task, rows, len(keys)))
+        logger.debug("dumping %d blocks", len(keys))
+
+    def _reap_dumps(self, block: bool) -> None:
+        still: list[tuple[Task, torch.Tensor, int]] = []
+        for task, rows, n in self._pending_dumps:
+            if block or task.done():
+                result = task.result()
+                if result.failed:
+                    logger.warning("%d of %d blocks were not stored", len(result.failed), n)
+            else:
+                still.append((task, rows, n))
+        self._pending_dumps = still
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed since the last call (reported once)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Wait for in-flight dumps."""
+        self._reap_dumps(block=True)

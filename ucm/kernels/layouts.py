@@ -1,0 +1,116 @@
+"""KV cache layouts UCM moves data between, and the canonical block.
+
+Canonical block (what a store holds, independent of the attention backend)::
+
+    block[num_layers, 2, block_size, num_kv_heads, head_dim]      # [layer][K=0 | V=1][token][head][dim]
+
+in the model's KV dtype, C-contiguous; as bytes, one row of ``block_nbytes`` in a ``uint8`` staging tensor.
+
+vLLM layouts (one tensor per attention layer):
+
+- ``KVLayout.CPU_ATTN``: vLLM's CPU backend (``CPU_ATTN``, kernel variants ``vec`` and ``vec16``). Shape
+  ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, but that shape is only storage: for each
+  (block, kv head) memory holds K transposed ``[head_dim, block_size]`` then V ``[block_size, head_dim]``.
+  Verified against ``torch.ops._C.cpu_attn_reshape_and_cache`` (vLLM 0.32). The ``amx`` variant stores K in
+  another tiling and is refused (see ``ucm.integration.vllm.layout``).
+- ``KVLayout.FLASH_NHD``: FlashAttention and Triton backends, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+
+class KVLayout(str, enum.Enum):
+    """Memory layout of vLLM's paged KV cache, per attention layer."""
+
+    CPU_ATTN = "cpu_attn"
+    FLASH_NHD = "flash_nhd"
+
+
+# Copies run on same-width integer views so they are bit-exact (NaN payloads, -0.0) and work for fp8 too.
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the signed/unsigned integer dtype of the same width (no copy).
+
+    Raises:
+        TypeError: ``t``'s element size has no integer dtype (e.g. complex128).
+    """
+    size = t.element_size()
+    if size not in _INT_VIEW:
+        raise TypeError(f"no integer view for element size {size} bytes (dtype {t.dtype})")
+    return t.view(_INT_VIEW[size])
+
+
+def paged_shape(layout: KVLayout, cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(num_blocks, block_size, num_kv_heads, head_dim)`` of one layer's paged KV tensor.
+
+    Raises:
+        ValueError: ``cache`` does not have the rank/shape of ``layout``, or is not contiguous.
+    """
+    if not cache.is_contiguous():
+        raise ValueError(f"paged KV tensor must be contiguous (layout {layout.value}, shape {tuple(cache.shape)})")
+    if layout == KVLayout.CPU_ATTN:
+        if cache.dim() != 4 or cache.shape[3] % 2:
+            raise ValueError(
+                f"CPU_ATTN KV must be [num_blocks, num_kv_heads, block_size, 2*head_dim], got {tuple(cache.shape)}"
+            )
+        nb, h, bs, two_d = cache.shape
+        return nb, bs, h, two_d // 2
+    if layout == KVLayout.FLASH_NHD:
+        if cache.dim() != 5 or cache.shape[0] != 2:
+            raise ValueError(
+                f"FLASH_NHD KV must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(cache.shape)}"
+            )
+        _, nb, bs, h, d = cache.shape
+        return nb, bs, h, d
+    raise ValueError(f"unknown KV layout {layout!r}; allowed: {[m.value for m in KVLayout]}")
+
+
+def check_paged_caches(kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> tuple[int, int, int, int]:
+    """Validate that all layers share one dtype, device and shape; return ``paged_shape`` of the first.
+
+    Raises:
+        ValueError: no layers, or layers differ in shape, dtype or device.
+    """
+    if len(kv_caches) == 0:
+        raise ValueError("kv_caches is empty: need one paged KV tensor per layer")
+    first = kv_caches[0]
+    shape = paged_shape(layout, first)
+    for i, c in enumerate(kv_caches):
+        if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+            raise ValueError(
+                f"layer {i} KV is {tuple(c.shape)} {c.dtype} on {c.device}; layer 0 is "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}: all layers must match"
+            )
+        paged_shape(layout, c)
+    return shape
+
+
+def canonical_block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of one canonical block: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``."""
+    return (num_layers, 2, block_size, num_kv_heads, head_dim)
+
+
+def check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Validate vLLM block ids: 1-D integer tensor, each in ``[0, num_blocks)``; returned as int64 on CPU.
+
+    Repeated ids are allowed for gather (the same block is copied twice) and rejected by scatter.
+
+    Raises:
+        TypeError: not an integer tensor.
+        ValueError: not 1-D, or an id outside ``[0, num_blocks)``.
+    """
+    if not isinstance(block_ids, torch.Tensor) or block_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_ids must be an int32/int64 tensor, got {getattr(block_ids, 'dtype', type(block_ids))}")
+    if block_ids.dim() != 1:
+        raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
+    ids = block_ids.to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block_ids must be in [0, {num_blocks}), got min {int(ids.min())} max {int(ids.max())}")
+    return ids

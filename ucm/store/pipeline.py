@@ -1,0 +1,67 @@
+"""Build a store pipeline from its config string (``Cache|Posix``, ``Posix``), top stage first.
+
+Within one process, every caller with the same config gets the same pipeline object (:func:`shared_store`), so
+vLLM's scheduler-side lookups see the DRAM cache that the worker in the same process fills.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ucm.config import SUPPORTED_PIPELINES, UcmPipelineStoreConfig
+from ucm.store.base import UcmKVStoreBase
+from ucm.store.cache import CacheStore
+from ucm.store.posix import PosixStore
+
+
+def build_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
+    """A new pipeline for ``config.store_pipeline``, built bottom-up.
+
+    Raises:
+        ValueError: an unknown stage name (the config schema already refuses these), or a bad storage path.
+    """
+    stages = config.store_pipeline.split("|")
+    if config.store_pipeline not in SUPPORTED_PIPELINES:
+        raise ValueError(f"store_pipeline {config.store_pipeline!r}: allowed {list(SUPPORTED_PIPELINES)}")
+    store: UcmKVStoreBase | None = None
+    for stage in reversed(stages):
+        if stage == "Posix":
+            store = PosixStore(config.storage_dirs, io_threads=config.posix_io_threads)
+        elif stage == "Cache":
+            store = CacheStore(store, config.cache_buffer_capacity_bytes)
+        else:  # pragma: no cover - refused by the schema
+            raise ValueError(f"unknown store stage {stage!r}; allowed: Cache, Posix")
+    assert store is not None
+    return store
+
+
+_shared: dict[str, tuple[UcmKVStoreBase, int]] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
+    """The process-wide pipeline for ``config`` (built on first use; reference counted).
+
+    Pair each call with :func:`release_shared_store`; the last release closes the pipeline (flushing write-backs).
+    """
+    key = config.model_dump_json()
+    with _shared_lock:
+        store, refs = _shared.get(key, (None, 0))
+        if store is None:
+            store = build_store(config)
+        _shared[key] = (store, refs + 1)
+        return store
+
+
+def release_shared_store(config: UcmPipelineStoreConfig) -> None:
+    """Drop one reference taken by :func:`shared_store`; close the pipeline when none is left."""
+    key = config.model_dump_json()
+    with _shared_lock:
+        if key not in _shared:
+            return
+        store, refs = _shared[key]
+        if refs > 1:
+            _shared[key] = (store, refs - 1)
+            return
+        del _shared[key]
+    store.close()

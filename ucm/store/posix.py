@@ -1,0 +1,338 @@
+"""``Posix`` store stage: one file per block under one or more directories.
+
+Placement: a key goes to directory ``dirs[int.from_bytes(key[:8], "little") % len(dirs)]`` and, inside it, to
+``<hex[0:2]>/<hex[2:4]>/<hex>.ucmb`` where ``hex = key.hex()``. Shard directories are created on demand. The
+mapping depends only on the key and on the ordered directory list, so every process configured with the same
+``storage_backends`` finds the same files.
+
+File format (version 1), all integers little-endian, ``HEADER_NBYTES`` = 44 bytes of header then the payload:
+
+======  =====  =============================================================
+offset  size   field
+======  =====  =============================================================
+0       4      magic ``b"UCMB"``
+4       2      format version (u16, ``FORMAT_VERSION`` = 1)
+6       2      codec (u16, ``CODEC_RAW`` = 0: the payload is the block's bytes)
+8       4      reserved (u32, written as 0, ignored on read)
+12      8      payload size in bytes (u64)
+20      16     the block key
+36      8      checksum of the payload: ``xxhash.xxh3_64_intdigest(payload)`` (u64)
+44      n      payload
+======  =====  =============================================================
+
+A file is complete or absent: ``dump`` writes a hidden temporary file
+(``.<hex>.<pid>.<thread id>.<random hex>.tmp``) in the final shard directory and renames it over the final
+name (``os.replace``), so ``lookup`` never sees a half-written block. Files are not fsync'ed: a file torn by a
+power loss fails the size or checksum check on ``load`` and is reported as a miss, never as data.
+
+``load`` validates magic, version, codec, payload size, key, exact file size (no trailing bytes) and checksum
+before reporting a block as loaded; anything else is a failed key (a cache miss for the caller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import secrets
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import xxhash
+
+from ucm.logger import init_logger
+from ucm.store.base import KEY_NBYTES, Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+
+logger = init_logger(__name__)
+
+MAGIC = b"UCMB"
+FORMAT_VERSION = 1
+CODEC_RAW = 0
+FILE_SUFFIX = ".ucmb"
+TMP_SUFFIX = ".tmp"
+# magic, version, codec, reserved, payload nbytes, key, checksum
+HEADER = struct.Struct("<4sHHIQ16sQ")
+HEADER_NBYTES = HEADER.size  # 44
+
+
+def _split_backends(storage_backends: str | Sequence[str]) -> list[str]:
+    if isinstance(storage_backends, (str, os.PathLike)):
+        parts = os.fspath(storage_backends).split(":")
+    else:
+        parts = [os.fspath(p) for p in storage_backends]
+    if not parts or any(not p for p in parts):
+        raise ValueError(f"storage_backends must name one or more directories joined by ':', got {storage_backends!r}")
+    return [os.path.abspath(p) for p in parts]
+
+
+def _prepare_dir(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"storage backend {path!r} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"storage backend {path!r} cannot be created: {exc}") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"storage backend {path!r} is not writable")
+
+
+class _Gather:
+    """Combines per-key futures (each resolving to ``True`` on success) into one ``Future[TaskResult]``."""
+
+    def __init__(self, num_keys: int, what: str) -> None:
+        self.future: Future[TaskResult] = Future()
+        self._num_keys = num_keys
+        self._what = what
+        self._remaining = num_keys
+        self._failed: set[int] = set()
+        self._lock = threading.Lock()
+
+    def add(self, index: int, future: Future[bool]) -> None:
+        future.add_done_callback(lambda f: self._done(index, f))
+
+    def _done(self, index: int, future: Future[bool]) -> None:
+        ok = False
+        exc = future.exception()
+        if exc is not None:
+            # A bug, not an I/O error (those are handled per key): report the key as failed, loudly.
+            logger.error("posix store: unexpected error in %s of key index %d", self._what, index, exc_info=exc)
+        else:
+            ok = future.result()
+        with self._lock:
+            if not ok:
+                self._failed.add(index)
+            self._remaining -= 1
+            finished = self._remaining == 0
+        if finished:
+            self.future.set_result(TaskResult(self._num_keys, frozenset(self._failed)))
+
+
+class PosixStore(UcmKVStoreBase):
+    """Store stage keeping one file per block on POSIX directories (local SSD, NFS, 3FS...).
+
+    Buffers follow the contract of :mod:`ucm.store.base`: CPU ``torch.uint8`` tensors
+    ``[num_keys, block_nbytes]``, one row per key. Loads and dumps run on a thread pool, one file per job.
+
+    Args:
+        storage_backends: one directory, several joined by ``':'``, or a sequence of directories. Missing
+            directories are created. The order matters: it decides which directory holds which key.
+        io_threads: number of I/O worker threads (>= 1).
+
+    Raises:
+        ValueError: ``storage_backends`` is empty or has an empty entry; a path exists but is not a directory,
+            cannot be created, or is not writable; ``io_threads`` < 1.
+    """
+
+    def __init__(self, storage_backends: str | Sequence[str], *, io_threads: int = 4) -> None:
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self._dirs = _split_backends(storage_backends)
+        for d in self._dirs:
+            _prepare_dir(d)
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ucm-posix")
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._warned_errnos: set[int] = set()
+        self._warn_lock = threading.Lock()
+
+    @property
+    def dirs(self) -> list[str]:
+        """The storage directories (absolute paths), in placement order."""
+        return list(self._dirs)
+
+    def block_path(self, key: bytes) -> str:
+        """Path of the file holding ``key``'s block (16-byte key), whether or not it exists."""
+        h = key.hex()
+        d = self._dirs[int.from_bytes(key[:8], "little") % len(self._dirs)]
+        return os.path.join(d, h[0:2], h[2:4], h + FILE_SUFFIX)
+
+    # -- contract -------------------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` (16-byte ``bytes``) whose block file exists. Reads no block data.
+
+        Raises:
+            TypeError / ValueError: a key is not 16 ``bytes``.
+        """
+        _check_keys(keys)
+        n = 0
+        for key in keys:
+            if not os.path.exists(self.block_path(key)):
+                break
+            n += 1
+        return n
+
+    def load(self, keys: Sequence[bytes], dst: torch.Tensor) -> Task:
+        """Start reading the blocks of ``keys`` into the rows of ``dst`` (uint8 ``[len(keys), nbytes]``).
+
+        A key fails (its index is in ``TaskResult.failed``, its row unspecified) when its file is missing or
+        fails validation (header, size, key, trailing bytes, checksum) or on any ``OSError``.
+
+        Raises:
+            TypeError / ValueError: bad keys or ``dst`` (see :func:`~ucm.store.base.check_keys_and_buffer`).
+            RuntimeError: the store is closed.
+        """
+        check_keys_and_buffer(keys, dst, "dst")
+        return self._submit_all(keys, lambda i: self._load_one(keys[i], dst[i]), "load")
+
+    def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
+        """Start writing the rows of ``src`` (uint8 ``[len(keys), block_nbytes]``) as the blocks of ``keys``.
+
+        A key whose file already exists is skipped and counted as stored (content is addressed by key). I/O
+        errors never raise: the key is reported failed and one warning per errno kind is logged.
+
+        Raises:
+            TypeError / ValueError: bad keys or ``src`` (see :func:`~ucm.store.base.check_keys_and_buffer`).
+            RuntimeError: the store is closed.
+        """
+        check_keys_and_buffer(keys, src, "src")
+        return self._submit_all(keys, lambda i: self._dump_one(keys[i], src[i]), "dump")
+
+    def close(self) -> None:
+        """Wait for the running I/O jobs and stop the worker threads. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+
+    # -- internals ------------------------------------------------------------------------------------------
+
+    def _submit_all(self, keys: Sequence[bytes], job: Callable[[int], bool], what: str) -> Task:
+        if self._closed:
+            raise RuntimeError("PosixStore is closed")
+        if not keys:
+            return Task.completed(TaskResult(0))
+        gather = _Gather(len(keys), what)
+        for i in range(len(keys)):
+            gather.add(i, self._pool.submit(job, i))
+        return Task(gather.future)
+
+    def _warn_write_error(self, key: bytes, path: str, exc: OSError) -> None:
+        code = exc.errno if exc.errno is not None else -1
+        with self._warn_lock:
+            first = code not in self._warned_errnos
+            self._warned_errnos.add(code)
+        name = errno.errorcode.get(code, str(code))
+        if first:
+            logger.warning(
+                "posix store: cannot write block %s to %s: %s; further %s errors are logged at debug level",
+                key.hex(),
+                path,
+                exc,
+                name,
+            )
+        else:
+            logger.debug("posix store: cannot write block %s to %s: %s", key.hex(), path, exc)
+
+    def _dump_one(self, key: bytes, row: torch.Tensor) -> bool:
+        path = self.block_path(key)
+        if os.path.exists(path):
+            return True
+        shard, name = os.path.split(path)
+        tmp = os.path.join(
+            shard,
+            f".{name[: -len(FILE_SUFFIX)]}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TMP_SUFFIX}",
+        )
+        payload = row.numpy().data.cast("B")
+        header = HEADER.pack(
+            MAGIC, FORMAT_VERSION, CODEC_RAW, 0, payload.nbytes, key, xxhash.xxh3_64_intdigest(payload)
+        )
+        fd = -1
+        try:
+            os.makedirs(shard, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            _write_all(fd, memoryview(header))
+            _write_all(fd, payload)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
+            return True
+        except OSError as exc:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._warn_write_error(key, path, exc)
+            return False
+
+    def _load_one(self, key: bytes, row: torch.Tensor) -> bool:
+        path = self.block_path(key)
+        payload = row.numpy().data.cast("B")
+        try:
+            with open(path, "rb", buffering=0) as f:
+                reason = _read_validated(f, key, payload)
+        except FileNotFoundError:
+            logger.debug("posix store: block %s not found at %s", key.hex(), path)
+            return False
+        except OSError as exc:
+            logger.warning("posix store: cannot read block file %s: %s; treating as a miss", path, exc)
+            return False
+        if reason is not None:
+            logger.warning("posix store: damaged block file %s: %s; treating as a miss", path, reason)
+            return False
+        return True
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    for key in keys:
+        if not isinstance(key, bytes):
+            raise TypeError(f"block keys must be bytes, got {type(key).__name__}")
+        if len(key) != KEY_NBYTES:
+            raise ValueError(f"block keys must be {KEY_NBYTES} bytes, got {len(key)}")
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """Write all of ``data`` to ``fd``, looping over short writes."""
+    off = 0
+    while off < data.nbytes:
+        n = os.write(fd, data[off:])
+        if n <= 0:  # not expected from a regular file; avoid spinning forever
+            raise OSError(errno.EIO, "write returned 0 bytes")
+        off += n
+
+
+def _read_full(f: io.FileIO, buf: memoryview) -> int:
+    """Read into ``buf`` until it is full or EOF; return the number of bytes read."""
+    off = 0
+    while off < buf.nbytes:
+        n = f.readinto(buf[off:])
+        if not n:
+            break
+        off += n
+    return off
+
+
+def _read_validated(f: io.FileIO, key: bytes, payload: memoryview) -> str | None:
+    """Read and check one block file into ``payload``; return ``None`` when valid, else the reason."""
+    header = bytearray(HEADER_NBYTES)
+    got = _read_full(f, memoryview(header))
+    if got != HEADER_NBYTES:
+        return f"file is {got} bytes, shorter than the {HEADER_NBYTES}-byte header"
+    magic, version, codec, _reserved, nbytes, file_key, checksum = HEADER.unpack(header)
+    if magic != MAGIC:
+        return f"bad magic {magic!r}, expected {MAGIC!r}"
+    if version != FORMAT_VERSION:
+        return f"format version {version}, expected {FORMAT_VERSION}"
+    if codec != CODEC_RAW:
+        return f"codec {codec}, expected {CODEC_RAW} (raw)"
+    if nbytes != payload.nbytes:
+        return f"payload is {nbytes} bytes, expected {payload.nbytes}"
+    if file_key != key:
+        return f"file holds key {file_key.hex()}, expected {key.hex()}"
+    size = os.fstat(f.fileno()).st_size
+    if size != HEADER_NBYTES + nbytes:
+        return f"file is {size} bytes, expected {HEADER_NBYTES + nbytes}"
+    got = _read_full(f, payload)
+    if got != nbytes:
+        return f"payload truncated: {got} of {nbytes} bytes"
+    if f.read(1):
+        return "trailing bytes after the payload"
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        return "checksum mismatch"
+    return None

@@ -1,0 +1,165 @@
+"""Run a real vLLM engine (offline ``LLM``) in a fresh subprocess: for tests, the demo and benchmarks.
+
+Each call of :func:`run_engine` is a new process, so a second call is a real restart: nothing survives but files.
+The child runs the requests one at a time (batching changes bf16 results on CPU), records per request the output
+token ids, their log-probs and TTFT, and the parent parses UCM's per-request log line
+(``request_id: .., total_blocks_num: .., hit hbm: .., hit external: ..``) from the child's stderr.
+
+Spec (a dict, JSON-serializable)::
+
+    {"model": "/path", "dtype": "bfloat16", "max_model_len": 4096, "kvcache_gib": 1,
+     "enable_prefix_caching": true,
+     "connector": null | {"kv_connector": "UCMConnector", ...}   # vLLM's kv_transfer_config as a dict
+     "requests": [{"prompt": "...", "max_tokens": 16, "cache_salt": null, "reset_prefix_cache": false}, ...],
+     "reset_prefix_cache": false}       # reset vLLM's own prefix cache before every request
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+UCM_CONNECTOR = "UCMConnector"
+UCM_MODULE = "ucm.integration.vllm.ucm_connector"
+_HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
+_RESULT_PREFIX = "UCM_ENGINE_RESULT "
+
+
+def ucm_transfer_config(extra_config: dict[str, Any], kv_role: str = "kv_both") -> dict[str, Any]:
+    """vLLM ``kv_transfer_config`` for UCMConnector with ``kv_connector_extra_config = extra_config``."""
+    return {
+        "kv_connector": UCM_CONNECTOR,
+        "kv_connector_module_path": UCM_MODULE,
+        "kv_role": kv_role,
+        "kv_connector_extra_config": extra_config,
+    }
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a CPU vLLM engine: loopback sockets, KV cache size, fixed OpenMP binding."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # The same cores with and without a connector (vLLM reserves one for connectors otherwise, which changes
+    # bf16 results): comparisons across engines need this.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if extra:
+        env.update(extra)
+    return env
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome.
+
+    Attributes:
+        token_ids: generated token ids (greedy).
+        text: generated text.
+        logprobs: log-prob of each generated token.
+        ttft_ms: time to first token (engine's first_token_latency), ms.
+        num_prompt_tokens: prompt length in tokens.
+        hit_hbm / hit_external / total_blocks: from UCM's log line (-1 without UCM).
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    ttft_ms: float
+    num_prompt_tokens: int
+    hit_hbm: int = -1
+    hit_external: int = -1
+    total_blocks: int = -1
+
+
+def run_engine(
+    spec: dict[str, Any],
+    env: dict[str, str] | None = None,
+    timeout_s: float = 900,
+    log_path: Path | None = None,
+) -> tuple[list[RequestResult], str]:
+    """Run ``spec`` in a fresh engine process; return the per-request results and the child's stderr.
+
+    Raises:
+        RuntimeError: the child failed (its stderr tail is in the message).
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "ucm.testing.engine"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        env=engine_env(env),
+        timeout=timeout_s,
+    )
+    if log_path is not None:
+        log_path.write_text(proc.stderr)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine process failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    raw = json.loads(lines[-1][len(_RESULT_PREFIX) :])
+    results = [RequestResult(**r) for r in raw]
+    hits = _HIT_RE.findall(proc.stderr)
+    if spec.get("connector") and spec["connector"].get("kv_connector") == UCM_CONNECTOR:
+        if len(hits) != len(results):
+            raise RuntimeError(f"expected {len(results)} UCM request lines, found {len(hits)}:\n{proc.stderr[-4000:]}")
+        for r, (_, total, hbm, ext) in zip(results, hits, strict=True):
+            r.total_blocks, r.hit_hbm, r.hit_external = int(total), int(hbm), int(ext)
+    return results, proc.stderr
+
+
+def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("connector"):
+        kwargs["kv_transfer_config"] = spec["connector"]
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "bfloat16"),
+        max_model_len=spec.get("max_model_len", 4096),
+        enforce_eager=True,
+        enable_prefix_caching=spec.get("enable_prefix_caching", True),
+        disable_log_stats=False,
+        seed=0,
+        **kwargs,
+    )
+    out: list[dict[str, Any]] = []
+    for req in spec["requests"]:
+        if spec.get("reset_prefix_cache") or req.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 16), logprobs=0)
+        prompt: dict[str, Any] = {"prompt": req["prompt"]}
+        if req.get("cache_salt") is not None:
+            prompt["cache_salt"] = req["cache_salt"]
+        t0 = time.perf_counter()
+        (result,) = llm.generate([prompt], params, use_tqdm=False)  # type: ignore[arg-type]
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        completion = result.outputs[0]
+        ttft = getattr(result.metrics, "first_token_latency", 0.0) if result.metrics else 0.0
+        logprobs = [
+            float(step[tok].logprob) if step else float("nan")
+            for step, tok in zip(completion.logprobs or [], completion.token_ids, strict=False)
+        ]
+        out.append(
+            {
+                "token_ids": list(completion.token_ids),
+                "text": completion.text,
+                "logprobs": logprobs,
+                "ttft_ms": ttft * 1e3 if ttft > 0 else wall_ms,
+                "num_prompt_tokens": len(result.prompt_token_ids or []),
+            }
+        )
+    return out
+
+
+if __name__ == "__main__":
+    _spec = json.loads(sys.stdin.read())
+    _out = _child(_spec)
+    print(_RESULT_PREFIX + json.dumps(_out), flush=True)
