@@ -98,16 +98,27 @@ def block_keys(
         ``len(token_ids) // block_size - start_block`` keys of 16 bytes.
 
     Raises:
-        ValueError: ``block_size`` <= 0, a token id outside uint32, or an inconsistent resume point.
+        ValueError: ``block_size`` <= 0, token ids not a 1-D integer sequence in uint32, ``block_extras`` shorter
+            than the number of full blocks, or an inconsistent resume point.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     if (start_block == 0) != (start_parent is None):
         raise ValueError("start_parent must be given exactly when start_block > 0")
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    if start_parent is not None and len(start_parent) != KEY_NBYTES:
+        raise ValueError(f"start_parent must be a {KEY_NBYTES}-byte key, got {len(start_parent)} bytes")
+    # No dtype forced here: a forced int64 conversion would truncate floats and overflow (OverflowError) on huge ints.
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise ValueError(f"token ids must be a 1-D sequence of integers, got {tokens.ndim}-D {tokens.dtype}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 32):
         raise ValueError("token ids must be in [0, 2**32)")
+    tokens = tokens.astype(np.int64)
     num_full = tokens.size // block_size
+    if not 0 <= start_block <= num_full:
+        raise ValueError(f"start_block must be in [0, {num_full}] (the number of full blocks), got {start_block}")
+    if block_extras and len(block_extras) < num_full:
+        raise ValueError(f"block_extras has {len(block_extras)} entries, fewer than the {num_full} full blocks")
     raw = tokens[: num_full * block_size].astype("<u4").tobytes()
     row = block_size * 4
     parent = seed if start_parent is None else start_parent

@@ -106,9 +106,12 @@ def _build_once(target: Path, lock_path: Path, build: Callable[[Path], dict[str,
         try:
             start = time.perf_counter()
             record = build(tmp)
+            for path in tmp.iterdir():  # some writers (safetensors) create files private to the user
+                path.chmod(0o644)
             record["build_seconds"] = round(time.perf_counter() - start, 2)
             (tmp / MARKER).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
             tmp.rename(target)
+            logger.info("Built %s in %.1f s", target, record["build_seconds"])
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -146,6 +149,14 @@ def _load_smollm2_tokenizer(models_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
+def _cast_(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s parameters and buffers to ``dtype`` in place.
+
+    Typed as ``nn.Module`` on purpose: mypy cannot read the signature of transformers' decorated ``to``.
+    """
+    module.to(dtype=dtype)
+
+
 def _generation_config(config: Any) -> Any:
     from transformers import GenerationConfig
 
@@ -179,7 +190,7 @@ def _build_smollm2(dest: Path) -> dict[str, Any]:
     model.load_state_dict(loaded.state_dict(), strict=True)  # raises on any missing or unexpected key
     del loaded
     model.tie_weights()
-    model = model.to(torch.bfloat16)
+    _cast_(model, torch.bfloat16)
     model.generation_config = _generation_config(config)
     model.save_pretrained(str(dest))  # transformers >= 5 always writes safetensors
 
@@ -312,7 +323,8 @@ def ensure_tiny_llama(
             architectures=["LlamaForCausalLM"],
         )
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(_torch_dtype(dtype))
+        model = LlamaForCausalLM(config)
+        _cast_(model, _torch_dtype(dtype))
         model.generation_config = _generation_config(config)
         model.save_pretrained(str(dest))
         _save_tokenizer(tokenizer, dest, config.max_position_embeddings)
@@ -333,4 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run the imported module's main, not this __main__ copy's: its logger is then "ucm.testing.models", under
+    # the "ucm" tree that init_logger configures (a logger named "__main__" would drop info lines).
+    from ucm.testing.models import main as _main
+
+    raise SystemExit(_main())

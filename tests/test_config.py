@@ -1,0 +1,354 @@
+"""UCM config: defaults, YAML loading, strict errors that name the key and the allowed values, extra_config forms."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ucm.config import (
+    CONFIG_FILE_KEY,
+    DEFAULT_STORAGE_DIR,
+    GIB,
+    UcmConfig,
+    UcmConfigError,
+    UcmConnectorEntry,
+    UcmPipelineStoreConfig,
+    config_from_extra_config,
+    load_config_file,
+    parse_config,
+)
+
+# The design's example (module docstring of ucm.config / examples/ucm_config_example.yaml).
+DESIGN_EXAMPLE_YAML = """\
+ucm_connectors:
+  - ucm_connector_name: "UcmPipelineStore"
+    ucm_connector_config:
+      store_pipeline: "Cache|Posix"
+      storage_backends: "/mnt/kv"        # one directory, or several joined by ':'
+      cache_buffer_capacity_gb: 64
+enable_event_sync: true
+use_layerwise: false
+"""
+
+
+def write_yaml(tmp_path: Path, text: str, name: str = "ucm.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def store_cfg(**store: Any) -> dict[str, Any]:
+    """A top-level config mapping whose single store entry has the keys ``store``."""
+    return {"ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": store}]}
+
+
+def config_error(data: Any) -> str:
+    with pytest.raises(UcmConfigError) as info:
+        parse_config(data)
+    return str(info.value)
+
+
+# -- defaults --------------------------------------------------------------------------------------------------------
+
+
+def test_defaults_filled_in() -> None:
+    cfg = parse_config({})
+    assert cfg == parse_config(None)
+    assert cfg.store.store_pipeline == "Cache|Posix"
+    assert cfg.store.storage_backends == DEFAULT_STORAGE_DIR
+    assert cfg.store.storage_dirs == [DEFAULT_STORAGE_DIR]
+    assert cfg.store.cache_buffer_capacity_gb == 4.0
+    assert cfg.store.cache_buffer_capacity_bytes == 4 * GIB
+    assert cfg.use_layerwise is False
+    assert cfg.enable_event_sync is True
+
+
+def test_to_log_dict_has_every_key() -> None:
+    log = parse_config({}).to_log_dict()
+    assert set(log) == set(UcmConfig.model_fields)
+    assert len(log["ucm_connectors"]) == 1
+    entry = log["ucm_connectors"][0]
+    assert set(entry) == set(UcmConnectorEntry.model_fields)
+    assert entry["ucm_connector_name"] == "UcmPipelineStore"
+    assert set(entry["ucm_connector_config"]) == set(UcmPipelineStoreConfig.model_fields)
+    # Plain, JSON-able values only (it goes into a log line).
+    assert entry["ucm_connector_config"]["store_pipeline"] == "Cache|Posix"
+
+
+def test_partial_store_config_fills_the_rest() -> None:
+    cfg = parse_config(store_cfg(store_pipeline="Posix"))
+    assert cfg.store.store_pipeline == "Posix"
+    assert cfg.store.posix_io_threads == UcmPipelineStoreConfig.model_fields["posix_io_threads"].default
+    assert cfg.store.storage_backends == DEFAULT_STORAGE_DIR
+
+
+# -- YAML files ------------------------------------------------------------------------------------------------------
+
+
+def test_design_example_yaml(tmp_path: Path) -> None:
+    cfg = load_config_file(write_yaml(tmp_path, DESIGN_EXAMPLE_YAML))
+    assert cfg.store.store_pipeline == "Cache|Posix"
+    assert cfg.store.storage_dirs == ["/mnt/kv"]
+    # YAML writes 64 as an int; the float field accepts it.
+    assert cfg.store.cache_buffer_capacity_gb == 64.0
+    assert cfg.store.cache_buffer_capacity_bytes == 64 * GIB
+    assert cfg.enable_event_sync is True
+    assert cfg.use_layerwise is False
+
+
+def test_yaml_posix_pipeline_and_several_dirs(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        """\
+        ucm_connectors:
+          - ucm_connector_config:
+              store_pipeline: "Posix"
+              storage_backends: "/a:/b/c::/d"
+              posix_io_threads: 3
+              cache_buffer_capacity_gb: 0.5
+        """,
+    )
+    cfg = load_config_file(str(path))
+    assert cfg.store.store_pipeline == "Posix"
+    assert cfg.store.storage_dirs == ["/a", "/b/c", "/d"]  # empty entries between ':' are skipped
+    assert cfg.store.posix_io_threads == 3
+    assert cfg.store.cache_buffer_capacity_bytes == GIB // 2
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path: Path) -> None:
+    assert load_config_file(write_yaml(tmp_path, "")) == parse_config({})
+
+
+@pytest.mark.parametrize(
+    ("backends", "dirs"),
+    [
+        ("/mnt/kv", ["/mnt/kv"]),
+        ("/mnt/a:/mnt/b", ["/mnt/a", "/mnt/b"]),
+        ("rel/x:/abs/y:", ["rel/x", "/abs/y"]),
+    ],
+    ids=["one", "two", "trailing-colon"],
+)
+def test_storage_dirs_split_on_colon(backends: str, dirs: list[str]) -> None:
+    assert parse_config(store_cfg(storage_backends=backends)).store.storage_dirs == dirs
+
+
+# -- errors name the key and what is allowed -------------------------------------------------------------------------
+
+
+def test_unknown_top_level_key() -> None:
+    msg = config_error({"use_layerwize": False})
+    assert "use_layerwize" in msg
+    for key in UcmConfig.model_fields:
+        assert key in msg
+
+
+def test_unknown_store_key() -> None:
+    msg = config_error(store_cfg(storage_backend="/mnt/kv"))
+    assert "'storage_backend'" in msg
+    assert "ucm_connectors[0].ucm_connector_config" in msg
+    for key in UcmPipelineStoreConfig.model_fields:
+        assert key in msg
+
+
+def test_unknown_connector_entry_key() -> None:
+    msg = config_error({"ucm_connectors": [{"ucm_connector_nmae": "UcmPipelineStore"}]})
+    assert "ucm_connector_nmae" in msg
+    for key in UcmConnectorEntry.model_fields:
+        assert key in msg
+
+
+def test_wrong_type() -> None:
+    msg = config_error({"use_layerwise": "yes"})
+    assert "use_layerwise" in msg
+    assert "'yes'" in msg
+    assert "boolean" in msg
+
+
+@pytest.mark.parametrize(
+    "pipeline", ["Disk", "Cache", "Posix|Cache", ""], ids=["disk", "cache-only", "reversed", "empty"]
+)
+def test_unsupported_pipeline(pipeline: str) -> None:
+    msg = config_error(store_cfg(store_pipeline=pipeline))
+    assert "store_pipeline" in msg
+    assert repr(pipeline) in msg
+    assert "'Cache|Posix'" in msg and "'Posix'" in msg
+
+
+@pytest.mark.parametrize("pipeline", ["Cache|Compress|Posix", "Compress|Posix"])
+def test_planned_pipeline_not_built(pipeline: str) -> None:
+    msg = config_error(store_cfg(store_pipeline=pipeline))
+    assert "store_pipeline" in msg
+    assert "Compress" in msg
+    assert "'Cache|Posix'" in msg
+
+
+def test_pipeline_spaces_are_normalized() -> None:
+    assert parse_config(store_cfg(store_pipeline=" Cache | Posix ")).store.store_pipeline == "Cache|Posix"
+
+
+def test_layerwise_not_available() -> None:
+    msg = config_error({"use_layerwise": True})
+    assert "use_layerwise" in msg
+    assert "allowed: false" in msg
+
+
+def test_record_traces_not_available() -> None:
+    assert "enable_record_traces" in config_error({"enable_record_traces": True})
+
+
+def test_io_direct_not_available() -> None:
+    msg = config_error(store_cfg(io_direct=True))
+    assert "io_direct" in msg
+    assert "allowed: false" in msg
+
+
+def test_posix_io_engine_only_psync() -> None:
+    msg = config_error(store_cfg(posix_io_engine="aio"))
+    assert "posix_io_engine" in msg
+    assert "'aio'" in msg
+    assert "psync" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("compress_ratio", 8), ("data_type", 1), ("decompress_thread_num", 2)], ids=lambda v: str(v)
+)
+def test_compress_keys_need_compress_stage(key: str, value: int) -> None:
+    msg = config_error(store_cfg(store_pipeline="Cache|Posix", **{key: value}))
+    assert key in msg
+    assert "Compress" in msg
+    assert "'Cache|Posix'" in msg
+
+
+def test_compress_keys_at_default_are_accepted() -> None:
+    assert parse_config(store_cfg(compress_ratio=32, data_type=0)).store.compress_ratio == 32
+
+
+@pytest.mark.parametrize("backends", ["", ":", "::"], ids=["empty", "colon", "two-colons"])
+def test_empty_storage_backends(backends: str) -> None:
+    msg = config_error(store_cfg(storage_backends=backends))
+    assert "storage_backends" in msg
+    assert repr(backends) in msg
+
+
+@pytest.mark.parametrize("capacity", [0, 0.0, -1, -2.5], ids=["int-zero", "float-zero", "int-neg", "float-neg"])
+def test_capacity_must_be_positive(capacity: float) -> None:
+    msg = config_error(store_cfg(cache_buffer_capacity_gb=capacity))
+    assert "cache_buffer_capacity_gb" in msg
+    assert "greater than 0" in msg
+
+
+def test_capacity_bool_is_not_a_number() -> None:
+    assert "cache_buffer_capacity_gb" in config_error(store_cfg(cache_buffer_capacity_gb=True))
+
+
+@pytest.mark.parametrize("n", [0, 2], ids=["none", "two"])
+def test_exactly_one_connector(n: int) -> None:
+    msg = config_error({"ucm_connectors": [{} for _ in range(n)]})
+    assert "ucm_connectors" in msg
+    assert f"has {n} entries" in msg
+    assert "exactly 1" in msg
+
+
+def test_unknown_connector_name() -> None:
+    msg = config_error({"ucm_connectors": [{"ucm_connector_name": "UcmNfsStore"}]})
+    assert "ucm_connector_name" in msg
+    assert "UcmPipelineStore" in msg
+
+
+def test_several_errors_reported_together() -> None:
+    msg = config_error({"use_layerwise": "no", "bogus": 1})
+    assert "use_layerwise" in msg
+    assert "bogus" in msg
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nope" / "ucm.yaml"
+    with pytest.raises(UcmConfigError) as info:
+        load_config_file(path)
+    assert str(path) in str(info.value)
+    assert CONFIG_FILE_KEY in str(info.value)
+
+
+def test_invalid_yaml(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "ucm_connectors: [\n  - {store_pipeline: Posix\n")
+    with pytest.raises(UcmConfigError) as info:
+        load_config_file(path)
+    assert str(path) in str(info.value)
+    assert "not valid YAML" in str(info.value)
+
+
+def test_top_level_list(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "- use_layerwise: false\n")
+    with pytest.raises(UcmConfigError) as info:
+        load_config_file(path)
+    assert "mapping" in str(info.value)
+    assert "list" in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "use_layerwise: true\n")
+    with pytest.raises(UcmConfigError) as info:
+        load_config_file(path)
+    assert str(path) in str(info.value)
+    assert "use_layerwise" in str(info.value)
+
+
+# -- kv_connector_extra_config ---------------------------------------------------------------------------------------
+
+
+def test_extra_config_file_form(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, DESIGN_EXAMPLE_YAML)
+    cfg = config_from_extra_config({CONFIG_FILE_KEY: str(path)})
+    assert cfg == load_config_file(path)
+    assert cfg.store.cache_buffer_capacity_gb == 64.0
+    assert config_from_extra_config({CONFIG_FILE_KEY: path}) == cfg  # a PathLike works too
+
+
+def test_extra_config_inline_form() -> None:
+    cfg = config_from_extra_config(store_cfg(store_pipeline="Posix", storage_backends="/x:/y"))
+    assert cfg.store.store_pipeline == "Posix"
+    assert cfg.store.storage_dirs == ["/x", "/y"]
+
+
+def test_extra_config_inline_errors_name_the_source() -> None:
+    with pytest.raises(UcmConfigError, match="kv_connector_extra_config") as info:
+        config_from_extra_config({"use_layerwise": "yes"})
+    assert "use_layerwise" in str(info.value)
+
+
+def test_extra_config_file_and_inline_is_an_error(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, DESIGN_EXAMPLE_YAML)
+    with pytest.raises(UcmConfigError) as info:
+        config_from_extra_config({CONFIG_FILE_KEY: str(path), "use_layerwise": False})
+    assert CONFIG_FILE_KEY in str(info.value)
+    assert "use_layerwise" in str(info.value)
+
+
+def test_extra_config_file_path_must_be_a_string() -> None:
+    with pytest.raises(UcmConfigError, match=CONFIG_FILE_KEY):
+        config_from_extra_config({CONFIG_FILE_KEY: 42})
+
+
+def test_extra_config_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "missing.yaml"
+    with pytest.raises(UcmConfigError, match=r"missing\.yaml"):
+        config_from_extra_config({CONFIG_FILE_KEY: str(path)})
+
+
+@pytest.mark.parametrize("extra", [None, {}], ids=["none", "empty"])
+def test_extra_config_empty_gives_defaults(extra: dict[str, Any] | None) -> None:
+    cfg = config_from_extra_config(extra)
+    assert cfg == parse_config({})
+    assert cfg.store.store_pipeline == "Cache|Posix"
+    assert cfg.store.storage_dirs == [DEFAULT_STORAGE_DIR]
+
+
+def test_extra_config_is_not_mutated(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, DESIGN_EXAMPLE_YAML)
+    extra = {CONFIG_FILE_KEY: str(path)}
+    config_from_extra_config(extra)
+    assert extra == {CONFIG_FILE_KEY: str(path)}
