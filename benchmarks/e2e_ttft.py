@@ -420,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     multiturn = {
         "turn_prompt_tokens": prompts.turn_tokens,
         "ucm_fill_ttft_ms": [ucm_fill.ttft(answer_at + 1 + i) for i in range(fill_n)],
+        "ucm_fill_hit_blocks": [
+            ucm_fill.results[answer_at + 1 + i].hit_external if answer_at + 1 + i < len(ucm_fill.results) else None
+            for i in range(fill_n)
+        ],
         "ucm_restart_ttft_ms": [ucm_b.ttft(2 + i) for i in range(turns_n)],
         "ucm_restart_hit_blocks": [
             ucm_b.results[2 + i].hit_external if 2 + i < len(ucm_b.results) else None for i in range(turns_n)
