@@ -277,7 +277,13 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": cpu_model}
+    return {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        # Other work on the machine during the run skews every number: the 1-minute load average at the end.
+        "load_avg_1min_end": round(os.getloadavg()[0], 2),
+    }
 
 
 # ------------------------------------------------------------------------------------------------------- main
@@ -311,6 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    load_start = round(os.getloadavg()[0], 2)
     model = ensure_smollm2(args.models_dir)
     prompts = build_prompts(model, args.prompt_tokens, args.turns, args.turn_tokens)
     r = args.repeats
@@ -473,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_seconds": {p.name: round(p.seconds, 1) for p in all_phases},
         "raw_ttft_ms": {p.name: raw_ttfts(p) for p in all_phases},
         "problems": problems,
-        "machine": machine(),
+        "machine": {**machine(), "load_avg_1min_start": load_start},
         "versions": versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "runtime_s": round(time.perf_counter() - t_start, 1),

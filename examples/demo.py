@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config
+from ucm.testing.engine import RequestResult, failed_loads, run_engine, ucm_transfer_config
 from ucm.testing.models import ensure_smollm2
 from ucm.testing.texts import prompt_of_tokens
 
@@ -83,7 +83,8 @@ def main() -> int:
     print("[demo] a. cold engine with UCM ...", flush=True)
     cold, _ = run_engine(spec(ucm, [{"prompt": turn1}]))
     print("[demo] b+c. restarted engine with UCM ...", flush=True)
-    warm, _ = run_engine(spec(ucm, [{"prompt": turn1}, {"prompt": turn2, "reset_prefix_cache": True}]))
+    warm, warm_log = run_engine(spec(ucm, [{"prompt": turn1}, {"prompt": turn2, "reset_prefix_cache": True}]))
+    load_failures = failed_loads(warm_log)
 
     rows: list[tuple[str, RequestResult, RequestResult]] = [
         ("turn 1, no UCM (recompute)", base[1], base[1]),
@@ -115,10 +116,13 @@ def main() -> int:
         "prompt_tokens": warm[1].num_prompt_tokens,
         "hit_external_blocks": warm[1].hit_external,
         "followup_hit_external_blocks": warm[2].hit_external,
+        "failed_block_loads": load_failures,
         "outputs_identical": identical,
     }
     print("RESULT " + json.dumps(result), flush=True)
-    return 0 if identical and warm[1].hit_external > 0 else 1
+    if load_failures:
+        print(f"WARNING: {load_failures} block loads failed after the restart (recomputed instead)", flush=True)
+    return 0 if identical and warm[1].hit_external > 0 and load_failures == 0 else 1
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ucm.testing.engine import engine_env, ucm_transfer_config
+from ucm.testing.engine import engine_env, failed_loads, ucm_transfer_config
 from ucm.testing.texts import prompt_of_tokens
 
 pytestmark = pytest.mark.engine
@@ -141,6 +141,7 @@ def test_serve_restart_answers_from_store(real_model, tmp_path):
     finally:
         log2 = second.stop()
     assert f"hit hbm: 0, hit external: {len(stored)}" in log2, log2[-3000:]
+    assert failed_loads(log2) == 0, log2[-3000:]
     assert warm_tokens == cold_tokens
     assert warm_text == cold_text
     assert len(cold_text) > 20  # a real answer, not an empty one

@@ -7,101 +7,32 @@ start as NaN bit patterns, so an element the kernel forgot to write fails the te
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
+from tests.kernels.kv_data import (
+    BIG_BLOCK_SIZE,
+    BIG_HEAD_DIM,
+    BIG_HEADS,
+    BIG_NUM_BLOCKS,
+    BLOCK_IDS,
+    DTYPE_IDS,
+    DTYPES,
+    NUM_BLOCKS,
+    NUM_LAYERS,
+    SPECIAL_BITS,
+    bits_equal,
+    dtype_params,
+    every_kv_shape,
+    layout_params,
+    paged_shape,
+    poisoned,
+    random_caches,
+    random_kv,
+    signed_bits,
+)
 from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, gather_blocks_reference
 from ucm.kernels.layouts import int_view
-
-LAYOUTS = [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD]
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
-BLOCK_SIZES = [16, 32, 128]
-HEAD_DIMS = [64, 80, 128, 576]
-NUM_KV_HEADS = [1, 3]
-NUM_LAYERS = 2
-NUM_BLOCKS = 7
-BLOCK_IDS = [5, 0, 3, 6]  # unsorted, not a prefix, includes the last block
-
-DTYPE_IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4m3"}
-
-# Bit patterns that a float copy could alter: +0, -0, +inf, -inf, quiet NaN, NaN with payload (signalling),
-# negative NaN with payload, smallest / largest / negative subnormal. float8_e4m3fn has no inf (0x7F/0xFF are NaN).
-SPECIAL_BITS = {
-    torch.bfloat16: [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC1, 0x0001, 0x007F, 0x8001],
-    torch.float16: [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE01, 0x0001, 0x03FF, 0x8001],
-    torch.float32: [
-        0x00000000,
-        0x80000000,
-        0x7F800000,
-        0xFF800000,
-        0x7FC00000,
-        0x7F800001,
-        0xFFC00001,
-        0x00000001,
-        0x007FFFFF,
-        0x80000001,
-    ],
-    torch.float8_e4m3fn: [0x00, 0x80, 0x7F, 0xFF, 0x7E, 0xFE, 0x01, 0x07, 0x81],
-}
-
-
-def _signed(bits: int, nbytes: int) -> int:
-    """``bits`` as the value of the integer view (signed for 2/4/8 bytes, uint8 for 1 byte)."""
-    width = 8 * nbytes
-    return bits - (1 << width) if nbytes > 1 and bits >= 1 << (width - 1) else bits
-
-
-def random_kv(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random bit patterns of ``dtype`` (through the integer view), with the special values sprinkled in."""
-    t = torch.empty(shape, dtype=dtype)
-    iv = int_view(t)
-    nbytes = t.element_size()
-    if nbytes == 1:
-        iv.copy_(torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen))
-    else:
-        half = 1 << (8 * nbytes - 1)
-        iv.copy_(torch.randint(-half, half, shape, dtype=torch.int64, generator=gen))
-    flat = iv.view(-1)
-    specials = torch.tensor([_signed(b, nbytes) for b in SPECIAL_BITS[dtype]], dtype=iv.dtype)
-    pos = torch.randint(0, flat.numel(), (max(1, flat.numel() // 16),), generator=gen)
-    flat[pos] = specials[torch.randint(0, len(specials), pos.shape, generator=gen)]
-    n = min(len(specials), flat.numel())
-    flat[:n] = specials[:n]  # each special value at least once
-    return t
-
-
-def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of all-ones bit patterns: NaN in bf16, fp16, fp32 and float8_e4m3fn."""
-    t = torch.empty(shape, dtype=dtype)
-    int_view(t).fill_(255 if t.element_size() == 1 else -1)
-    return t
-
-
-def paged_shape(layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-    if layout == KVLayout.CPU_ATTN:
-        return (num_blocks, num_kv_heads, block_size, 2 * head_dim)
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-
-def make_caches(
-    layout: KVLayout,
-    dtype: torch.dtype,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    seed: int = 0,
-    num_layers: int = NUM_LAYERS,
-    num_blocks: int = NUM_BLOCKS,
-) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    shape = paged_shape(layout, num_blocks, block_size, num_kv_heads, head_dim)
-    return [random_kv(shape, dtype, gen) for _ in range(num_layers)]
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(int_view(a), int_view(b))
 
 
 def block_kv_direct(cache: torch.Tensor, layout: KVLayout, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,38 +49,20 @@ def block_kv_direct(cache: torch.Tensor, layout: KVLayout, block: int) -> tuple[
     return c[0, block], c[1, block]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread() -> Iterator[None]:
-    """Run these small copies on one thread: on a loaded machine, torch's OpenMP workers spin-wait and a
-    millisecond copy takes most of a second."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-layout_params = pytest.mark.parametrize("layout", LAYOUTS, ids=[lay.value for lay in LAYOUTS])
-dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=[DTYPE_IDS[d] for d in DTYPES])
-
-
 def test_random_kv_holds_the_special_values() -> None:
     gen = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
         t = random_kv((4, 64), dtype, gen)
         present = set(int_view(t).reshape(-1).tolist())
-        want = {_signed(b, t.element_size()) for b in SPECIAL_BITS[dtype]}
+        want = {signed_bits(b, t.element_size()) for b in SPECIAL_BITS[dtype]}
         assert want <= present, DTYPE_IDS[dtype]
 
 
-@pytest.mark.parametrize("num_kv_heads", NUM_KV_HEADS, ids=lambda h: f"h{h}")
-@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=lambda b: f"bs{b}")
-@dtype_params
-@layout_params
+@every_kv_shape
 def test_gather_matches_reference(
     layout: KVLayout, dtype: torch.dtype, block_size: int, head_dim: int, num_kv_heads: int
 ) -> None:
-    caches = make_caches(layout, dtype, block_size, num_kv_heads, head_dim)
+    caches = random_caches(layout, dtype, block_size, num_kv_heads, head_dim)
     ids = torch.tensor(BLOCK_IDS, dtype=torch.int64)
     want_shape = (len(BLOCK_IDS), *canonical_block_shape(NUM_LAYERS, block_size, num_kv_heads, head_dim))
 
@@ -172,7 +85,7 @@ def test_gather_matches_reference(
 
 @layout_params
 def test_gather_int32_and_strided_ids(layout: KVLayout) -> None:
-    caches = make_caches(layout, torch.bfloat16, 16, 3, 80, seed=1)
+    caches = random_caches(layout, torch.bfloat16, 16, 3, 80, seed=1)
     base = torch.tensor([6, 99, 1, 99, 4, 99, 2], dtype=torch.int32)
     ids = base[::2]  # non-contiguous view [6, 1, 4, 2]
     assert not ids.is_contiguous()
@@ -184,7 +97,7 @@ def test_gather_int32_and_strided_ids(layout: KVLayout) -> None:
 @dtype_params
 @layout_params
 def test_gather_repeated_ids(layout: KVLayout, dtype: torch.dtype) -> None:
-    caches = make_caches(layout, dtype, 16, 3, 64, seed=2)
+    caches = random_caches(layout, dtype, 16, 3, 64, seed=2)
     ids = torch.tensor([2, 5, 2, 2])
     got = gather_blocks(caches, ids, layout, out=poisoned((4, *canonical_block_shape(NUM_LAYERS, 16, 3, 64)), dtype))
     assert bits_equal(got[0], got[2]) and bits_equal(got[0], got[3])
@@ -193,7 +106,7 @@ def test_gather_repeated_ids(layout: KVLayout, dtype: torch.dtype) -> None:
 
 @layout_params
 def test_gather_empty_ids(layout: KVLayout) -> None:
-    caches = make_caches(layout, torch.float16, 16, 3, 64, seed=3)
+    caches = random_caches(layout, torch.float16, 16, 3, 64, seed=3)
     ids = torch.tensor([], dtype=torch.int64)
     want = (0, *canonical_block_shape(NUM_LAYERS, 16, 3, 64))
     assert gather_blocks(caches, ids, layout).shape == want
@@ -203,7 +116,7 @@ def test_gather_empty_ids(layout: KVLayout) -> None:
 
 
 def test_gather_single_block_single_layer() -> None:
-    caches = make_caches(KVLayout.CPU_ATTN, torch.float32, 16, 1, 64, seed=4, num_layers=1, num_blocks=1)
+    caches = random_caches(KVLayout.CPU_ATTN, torch.float32, 16, 1, 64, seed=4, num_layers=1, num_blocks=1)
     ids = torch.tensor([0])
     assert bits_equal(
         gather_blocks(caches, ids, KVLayout.CPU_ATTN), gather_blocks_reference(caches, ids, KVLayout.CPU_ATTN)
@@ -216,7 +129,7 @@ def test_gather_single_block_single_layer() -> None:
 @pytest.mark.parametrize("bad", [-1, NUM_BLOCKS, 2**40], ids=["negative", "num_blocks", "huge"])
 @layout_params
 def test_gather_out_of_range_id(layout: KVLayout, bad: int) -> None:
-    caches = make_caches(layout, torch.bfloat16, 16, 1, 64)
+    caches = random_caches(layout, torch.bfloat16, 16, 1, 64)
     ids = torch.tensor([0, bad, 3])
     for fn in (gather_blocks, gather_blocks_reference):
         with pytest.raises(ValueError, match=rf"\[0, {NUM_BLOCKS}\)") as info:
@@ -230,20 +143,20 @@ def test_gather_out_of_range_id(layout: KVLayout, bad: int) -> None:
     ids=["float", "int16", "list"],
 )
 def test_gather_ids_must_be_int32_or_int64(ids: object) -> None:
-    caches = make_caches(KVLayout.FLASH_NHD, torch.bfloat16, 16, 1, 64)
+    caches = random_caches(KVLayout.FLASH_NHD, torch.bfloat16, 16, 1, 64)
     with pytest.raises(TypeError, match="int32/int64"):
         gather_blocks(caches, ids, KVLayout.FLASH_NHD)  # type: ignore[arg-type]
 
 
 def test_gather_ids_must_be_1d() -> None:
-    caches = make_caches(KVLayout.FLASH_NHD, torch.bfloat16, 16, 1, 64)
+    caches = random_caches(KVLayout.FLASH_NHD, torch.bfloat16, 16, 1, 64)
     with pytest.raises(ValueError, match=r"1-D.*\(2, 2\)"):
         gather_blocks(caches, torch.tensor([[0, 1], [2, 3]]), KVLayout.FLASH_NHD)
 
 
 @layout_params
 def test_gather_wrong_out_shape(layout: KVLayout) -> None:
-    caches = make_caches(layout, torch.bfloat16, 16, 3, 64)
+    caches = random_caches(layout, torch.bfloat16, 16, 3, 64)
     ids = torch.tensor([1, 2])
     bad = (3, *canonical_block_shape(NUM_LAYERS, 16, 3, 64))
     with pytest.raises(ValueError, match=r"out must be \(2, 2, 2, 16, 3, 64\)") as info:
@@ -252,7 +165,7 @@ def test_gather_wrong_out_shape(layout: KVLayout) -> None:
 
 
 def test_gather_wrong_out_dtype() -> None:
-    caches = make_caches(KVLayout.FLASH_NHD, torch.bfloat16, 16, 3, 64)
+    caches = random_caches(KVLayout.FLASH_NHD, torch.bfloat16, 16, 3, 64)
     ids = torch.tensor([1, 2])
     shape = (2, *canonical_block_shape(NUM_LAYERS, 16, 3, 64))
     # Same element size, other dtype: a byte copy would "work" but reinterpret the values.
@@ -261,7 +174,7 @@ def test_gather_wrong_out_dtype() -> None:
 
 
 def test_gather_non_contiguous_out() -> None:
-    caches = make_caches(KVLayout.FLASH_NHD, torch.bfloat16, 16, 3, 64)
+    caches = random_caches(KVLayout.FLASH_NHD, torch.bfloat16, 16, 3, 64)
     shape = (2, *canonical_block_shape(NUM_LAYERS, 16, 3, 64))
     out = torch.empty((*shape[:-1], 2 * shape[-1]), dtype=torch.bfloat16)[..., ::2]
     with pytest.raises(ValueError, match="contiguous"):
@@ -270,7 +183,7 @@ def test_gather_non_contiguous_out() -> None:
 
 @layout_params
 def test_gather_non_contiguous_cache(layout: KVLayout) -> None:
-    caches = make_caches(layout, torch.bfloat16, 16, 3, 64, num_blocks=2 * NUM_BLOCKS)
+    caches = random_caches(layout, torch.bfloat16, 16, 3, 64, num_blocks=2 * NUM_BLOCKS)
     strided = [c[::2] if layout == KVLayout.CPU_ATTN else c[:, ::2] for c in caches]
     with pytest.raises(ValueError, match="contiguous") as info:
         gather_blocks(strided, torch.tensor([0]), layout)
@@ -280,9 +193,9 @@ def test_gather_non_contiguous_cache(layout: KVLayout) -> None:
 @pytest.mark.parametrize("what", ["shape", "dtype"])
 @layout_params
 def test_gather_mismatched_layers(layout: KVLayout, what: str) -> None:
-    caches = make_caches(layout, torch.bfloat16, 16, 3, 64)
+    caches = random_caches(layout, torch.bfloat16, 16, 3, 64)
     if what == "shape":
-        caches[1] = make_caches(layout, torch.bfloat16, 16, 3, 64, num_layers=1, num_blocks=NUM_BLOCKS + 1)[0]
+        caches[1] = random_caches(layout, torch.bfloat16, 16, 3, 64, num_layers=1, num_blocks=NUM_BLOCKS + 1)[0]
     else:
         caches[1] = caches[1].to(torch.float16)
     with pytest.raises(ValueError, match="layer 1") as info:
@@ -314,12 +227,7 @@ def test_gather_wrong_layout_shape(layout: KVLayout, shape: tuple[int, ...]) -> 
 
 # -- offsets past 2**31 ----------------------------------------------------------------------------------------------
 
-# One layer of 8193 blocks of [128 tokens x 8 heads x 128] fp8 K and V = 2**31 + 2**18 bytes: the last block's bytes
-# (CPU_ATTN: the whole block; FLASH_NHD: its V half) lie beyond 2**31, so a kernel computing offsets in int32 would
-# wrap. torch.empty leaves the pages untouched (the allocator maps them lazily); only the blocks used are written,
-# so this runs in well under a second and commits well under 1 MB.
-BIG_BLOCK_SIZE, BIG_HEADS, BIG_HEAD_DIM = 128, 8, 128
-BIG_NUM_BLOCKS = (1 << 13) + 1
+# A cache of BIG_NUM_BLOCKS blocks (see kv_data.py) whose last block lies past 2**31 bytes, allocated lazily.
 
 
 @layout_params

@@ -1,17 +1,33 @@
 """scatter_blocks (canonical blocks -> paged KV): bit-exact against the naive reference, round trips with gather.
 
-Same conventions as ``test_gather_blocks.py``: data written through integer views (NaN payloads, -0.0, +-inf,
-subnormals), every comparison ``torch.equal`` on integer views, and destination caches that start as NaN bit
+Same conventions as the gather tests (see ``kv_data.py``): data written through integer views (NaN payloads, -0.0,
++-inf, subnormals), every comparison ``torch.equal`` on integer views, and destination caches that start as NaN bit
 patterns so that an element the kernel forgot to write, or wrote to the wrong block, fails the test.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
+from tests.kernels.kv_data import (
+    BIG_BLOCK_SIZE,
+    BIG_HEAD_DIM,
+    BIG_HEADS,
+    BIG_NUM_BLOCKS,
+    BLOCK_IDS,
+    NUM_BLOCKS,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    bits_equal,
+    dtype_params,
+    every_kv_shape,
+    layout_params,
+    paged_shape,
+    poisoned,
+    random_caches,
+    random_kv,
+)
 from ucm.kernels import (
     KVLayout,
     canonical_block_shape,
@@ -21,72 +37,6 @@ from ucm.kernels import (
     scatter_blocks_reference,
 )
 from ucm.kernels.layouts import int_view
-
-LAYOUTS = [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD]
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
-BLOCK_SIZES = [16, 32, 128]
-HEAD_DIMS = [64, 80, 128, 576]
-NUM_KV_HEADS = [1, 3]
-NUM_LAYERS = 2
-NUM_BLOCKS = 7
-BLOCK_IDS = [5, 0, 3, 6]  # unsorted, not a prefix, includes the last block
-
-DTYPE_IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4m3"}
-
-# +0, -0, +inf, -inf, quiet NaN, NaN with payload, negative NaN with payload, subnormals (see test_gather_blocks.py).
-SPECIAL_BITS = {
-    torch.bfloat16: [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC1, 0x0001, 0x007F, 0x8001],
-    torch.float16: [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE01, 0x0001, 0x03FF, 0x8001],
-    torch.float32: [
-        0x00000000,
-        0x80000000,
-        0x7F800000,
-        0xFF800000,
-        0x7FC00000,
-        0x7F800001,
-        0xFFC00001,
-        0x00000001,
-        0x007FFFFF,
-        0x80000001,
-    ],
-    torch.float8_e4m3fn: [0x00, 0x80, 0x7F, 0xFF, 0x7E, 0xFE, 0x01, 0x07, 0x81],
-}
-
-
-def _signed(bits: int, nbytes: int) -> int:
-    width = 8 * nbytes
-    return bits - (1 << width) if nbytes > 1 and bits >= 1 << (width - 1) else bits
-
-
-def random_kv(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random bit patterns of ``dtype`` (through the integer view), with the special values sprinkled in."""
-    t = torch.empty(shape, dtype=dtype)
-    iv = int_view(t)
-    nbytes = t.element_size()
-    if nbytes == 1:
-        iv.copy_(torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen))
-    else:
-        half = 1 << (8 * nbytes - 1)
-        iv.copy_(torch.randint(-half, half, shape, dtype=torch.int64, generator=gen))
-    flat = iv.view(-1)
-    specials = torch.tensor([_signed(b, nbytes) for b in SPECIAL_BITS[dtype]], dtype=iv.dtype)
-    pos = torch.randint(0, flat.numel(), (max(1, flat.numel() // 16),), generator=gen)
-    flat[pos] = specials[torch.randint(0, len(specials), pos.shape, generator=gen)]
-    n = min(len(specials), flat.numel())
-    flat[:n] = specials[:n]
-    return t
-
-
-def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with all-ones bit patterns (NaN in bf16, fp16, fp32 and float8_e4m3fn); return it."""
-    int_view(t).fill_(255 if t.element_size() == 1 else -1)
-    return t
-
-
-def paged_shape(layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-    if layout == KVLayout.CPU_ATTN:
-        return (num_blocks, num_kv_heads, block_size, 2 * head_dim)
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
 def poisoned_caches(
@@ -99,22 +49,7 @@ def poisoned_caches(
     num_blocks: int = NUM_BLOCKS,
 ) -> list[torch.Tensor]:
     shape = paged_shape(layout, num_blocks, block_size, num_kv_heads, head_dim)
-    return [poison_(torch.empty(shape, dtype=dtype)) for _ in range(num_layers)]
-
-
-def random_caches(
-    layout: KVLayout,
-    dtype: torch.dtype,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    seed: int,
-    num_layers: int = NUM_LAYERS,
-    num_blocks: int = NUM_BLOCKS,
-) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    shape = paged_shape(layout, num_blocks, block_size, num_kv_heads, head_dim)
-    return [random_kv(shape, dtype, gen) for _ in range(num_layers)]
+    return [poisoned(shape, dtype) for _ in range(num_layers)]
 
 
 def random_blocks(
@@ -122,10 +57,6 @@ def random_blocks(
 ) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return random_kv((n, *canonical_block_shape(num_layers, block_size, num_kv_heads, head_dim)), dtype, gen)
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(int_view(a), int_view(b))
 
 
 def caches_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -142,24 +73,7 @@ def clone_caches(caches: list[torch.Tensor]) -> list[torch.Tensor]:
     return [c.clone() for c in caches]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread() -> Iterator[None]:
-    """Run these small copies on one thread (see test_gather_blocks.py: OpenMP spin-waits on a loaded machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-layout_params = pytest.mark.parametrize("layout", LAYOUTS, ids=[lay.value for lay in LAYOUTS])
-dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=[DTYPE_IDS[d] for d in DTYPES])
-
-
-@pytest.mark.parametrize("num_kv_heads", NUM_KV_HEADS, ids=lambda h: f"h{h}")
-@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=lambda b: f"bs{b}")
-@dtype_params
-@layout_params
+@every_kv_shape
 def test_scatter_matches_reference(
     layout: KVLayout, dtype: torch.dtype, block_size: int, head_dim: int, num_kv_heads: int
 ) -> None:
@@ -347,11 +261,7 @@ def test_scatter_mismatched_layers(layout: KVLayout, what: str) -> None:
 
 # -- offsets past 2**31 ----------------------------------------------------------------------------------------------
 
-# One layer of 8193 blocks of [128 tokens x 8 heads x 128] fp8 K and V = 2**31 + 2**18 bytes: the last block's bytes
-# (CPU_ATTN: all of it; FLASH_NHD: its V half) start at or beyond 2**31, where an int32 offset would wrap. The cache
-# is torch.empty: pages are mapped lazily, only the blocks touched here are committed, so it takes well under a second.
-BIG_BLOCK_SIZE, BIG_HEADS, BIG_HEAD_DIM = 128, 8, 128
-BIG_NUM_BLOCKS = (1 << 13) + 1
+# A cache of BIG_NUM_BLOCKS blocks (see kv_data.py) whose last block lies past 2**31 bytes, allocated lazily.
 
 
 @layout_params

@@ -10,26 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.store.blocks import make_blocks, make_keys, poisoned
 from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
 from ucm.store.cache import CacheStore
 from ucm.store.posix import PosixStore
 
 NBYTES = 100  # block size in these tests; capacities below are multiples of it plus slack
-POISON = 0xA5
-
-
-def make_keys(n: int, seed: int) -> list[bytes]:
-    rng = random.Random(seed)
-    return [rng.randbytes(16) for _ in range(n)]
-
-
-def make_blocks(n: int, nbytes: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
-
-
-def poisoned(n: int, nbytes: int = NBYTES) -> torch.Tensor:
-    return torch.full((n, nbytes), POISON, dtype=torch.uint8)
 
 
 class DictStore(UcmKVStoreBase):
@@ -85,7 +71,7 @@ def test_dram_only_round_trip_and_lru_order() -> None:
     assert cache.wait(cache.dump(keys[:3], src[:3])).ok
     assert cache.cached_keys() == keys[:3]
     # Loading key 0 makes it most recently used; the next insert evicts key 1, the least recently used.
-    dst = poisoned(1)
+    dst = poisoned(1, NBYTES)
     assert cache.wait(cache.load(keys[:1], dst)).ok
     assert torch.equal(dst[0], src[0])
     assert cache.cached_keys() == [keys[1], keys[2], keys[0]]
@@ -97,7 +83,7 @@ def test_dram_only_round_trip_and_lru_order() -> None:
     assert cache.cached_keys() == [keys[2], keys[0], keys[3]]
     assert cache.wait(cache.dump(keys[2:3], src[2:3])).ok
     assert cache.cached_keys() == [keys[0], keys[3], keys[2]]
-    dst = poisoned(4)
+    dst = poisoned(4, NBYTES)
     result = cache.wait(cache.load(keys, dst))
     assert result.failed == {1}
     for i in (0, 2, 3):
@@ -147,7 +133,7 @@ def test_pinned_blocks_are_not_evicted() -> None:
     # Unpinned now: the next insert evicts the least recently used.
     assert cache.wait(cache.dump(keys[3:], src[3:])).ok
     assert cache.cached_keys() == [keys[1], keys[3]]
-    dst = poisoned(4)
+    dst = poisoned(4, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok
     assert torch.equal(dst, src)
     cache.close()
@@ -163,7 +149,7 @@ def test_write_back_reaches_posix(tmp_path: Path) -> None:
     cache.flush()
     assert cache.check(task) and cache.wait(task).ok
     fresh = PosixStore(dirs)
-    dst = poisoned(20)
+    dst = poisoned(20, NBYTES)
     assert fresh.wait(fresh.load(keys, dst)).ok
     assert torch.equal(dst, src)
     fresh.close()
@@ -184,19 +170,21 @@ def test_read_through_promotion(tmp_path: Path) -> None:
     cache = CacheStore(PosixStore(kv), 4 * NBYTES)
     assert cache.cached_keys() == []
     assert cache.lookup(keys) == 6
-    dst = poisoned(1)
-    assert cache.wait(cache.load(keys[:1], dst)).ok  # all missed DRAM: loaded from storage straight into dst
+    dst = poisoned(1, NBYTES)
+    assert cache.wait(cache.load(keys[:1], dst)).ok  # all missed DRAM: loaded from storage
     assert torch.equal(dst[0], src[0])
+    cache.flush()  # promotion into DRAM finishes after the load's result
     assert cache.cached_keys() == keys[:1]
     # Key 0 now comes from DRAM, the others from storage into a staging buffer, then into the right rows.
-    dst = poisoned(6)
+    dst = poisoned(6, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok
     assert torch.equal(dst, src)
+    cache.flush()
     assert cache.cached_keys() == keys[2:6]  # promoted within capacity, LRU-evicting the oldest
     # The promoted blocks are served from DRAM even once storage loses them.
     for path in (tmp_path / "kv").rglob("*.ucmb"):
         path.unlink()
-    dst = poisoned(6)
+    dst = poisoned(6, NBYTES)
     result = cache.wait(cache.load(keys, dst))
     assert result.failed == {0, 1}
     assert torch.equal(dst[2:], src[2:])
@@ -212,12 +200,12 @@ def test_load_mixed_tiers_and_missing() -> None:
     inner.blocks[keys[3]] = src[3].clone()  # below only
     inner.blocks[keys[5]] = src[5].clone()
     del inner.blocks[keys[1]]  # DRAM only
-    dst = poisoned(6)
+    dst = poisoned(6, NBYTES)
     result = cache.wait(cache.load(keys, dst))
     assert result.failed == {2, 4}
     for i in (0, 1, 3, 5):
         assert torch.equal(dst[i], src[i])
-    assert torch.equal(dst[2], poisoned(1)[0]) and torch.equal(dst[4], poisoned(1)[0])
+    assert torch.equal(dst[2], poisoned(1, NBYTES)[0]) and torch.equal(dst[4], poisoned(1, NBYTES)[0])
     cache.close()
 
 
@@ -250,7 +238,7 @@ def test_too_big_block_goes_to_inner_only(tmp_path: Path) -> None:
     posix = PosixStore(kv)
     assert posix.lookup(keys) == 3
     posix.close()
-    dst = poisoned(3)
+    dst = poisoned(3, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok  # from storage, not promoted (too big)
     assert torch.equal(dst, src)
     assert cache.cached_keys() == []
@@ -306,7 +294,7 @@ def test_concurrent_dumps_and_loads() -> None:
                 if not cache.wait(cache.dump([keys[i] for i in idx], src[idx])).ok:
                     errors.append("dump failed")
             else:
-                dst = poisoned(5)
+                dst = poisoned(5, NBYTES)
                 result = cache.wait(cache.load([keys[i] for i in idx], dst))
                 for j, i in enumerate(idx):
                     if j not in result.failed and not torch.equal(dst[j], src[i]):
@@ -321,6 +309,25 @@ def test_concurrent_dumps_and_loads() -> None:
         t.join(timeout=60)
     cache.flush()
     assert errors == []
-    dst = poisoned(64)
+    dst = poisoned(64, NBYTES)
     assert cache.wait(cache.load(keys, dst)).failed == {i for i in range(64) if keys[i] not in inner.blocks}
+    cache.close()
+
+
+def test_load_into_inference_tensor_from_both_tiers(tmp_path: Path) -> None:
+    """vLLM runs the model under torch.inference_mode, so the worker's dst is an inference tensor; the part of a
+    load that finishes on the cache's own thread must still be able to write into it."""
+    keys = make_keys(3, seed=21)
+    src = make_blocks(3, NBYTES, seed=22)
+    writer = PosixStore(str(tmp_path / "kv"))
+    assert writer.wait(writer.dump(keys, src)).ok
+    writer.close()
+    cache = CacheStore(PosixStore(str(tmp_path / "kv")), 8 * NBYTES)
+    with torch.inference_mode():
+        assert cache.wait(cache.load(keys[:1], poisoned(1, NBYTES))).ok  # promotes key 0 into DRAM
+        cache.flush()
+        dst = poisoned(3, NBYTES)
+        result = cache.wait(cache.load(keys, dst))  # key 0 from DRAM, keys 1-2 from files via the loader thread
+    assert result.ok
+    assert torch.equal(dst, src)
     cache.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.store.blocks import make_blocks, make_keys, poisoned
 from ucm.config import UcmPipelineStoreConfig, parse_config
 from ucm.store import pipeline
 from ucm.store.cache import CacheStore
@@ -17,7 +17,6 @@ from ucm.store.pipeline import build_store, release_shared_store, shared_store
 from ucm.store.posix import PosixStore
 
 NBYTES = 4099  # odd block size
-POISON = 0xA5
 
 
 def store_config(
@@ -32,16 +31,6 @@ def store_config(
         }
     )
     return cfg.store
-
-
-def make_keys(n: int, seed: int) -> list[bytes]:
-    rng = random.Random(seed)
-    return [rng.randbytes(16) for _ in range(n)]
-
-
-def make_blocks(n: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, NBYTES), dtype=torch.uint8, generator=gen)
 
 
 @pytest.fixture(autouse=True)
@@ -149,11 +138,11 @@ def test_release_closes_after_the_last_reference(tmp_path: Path) -> None:
 
     release_shared_store(cfg)  # one reference left: still open
     first.lookup(keys)
-    assert first.wait(first.dump(keys, make_blocks(1, 0))).ok
+    assert first.wait(first.dump(keys, make_blocks(1, NBYTES, 0))).ok
 
     release_shared_store(cfg)  # last reference: closed
     with pytest.raises(RuntimeError, match="closed"):
-        first.dump(keys, make_blocks(1, 0))
+        first.dump(keys, make_blocks(1, NBYTES, 0))
 
     again = shared_store(cfg)  # a later call builds a new pipeline
     try:
@@ -173,14 +162,14 @@ def test_release_without_shared_store_is_a_no_op(tmp_path: Path) -> None:
 def test_cache_posix_round_trip_then_fresh_posix_store(tmp_path: Path) -> None:
     cfg = store_config(tmp_path, "Cache|Posix", dirs="a:b")
     keys = make_keys(5, 1)
-    src = make_blocks(5, 1)
+    src = make_blocks(5, NBYTES, 1)
     store = shared_store(cfg)
     try:
         assert store.lookup(keys) == 0
         task = store.dump(keys, src)
         assert store.wait(task).ok
         assert store.lookup(keys) == 5
-        dst = torch.full((5, NBYTES), POISON, dtype=torch.uint8)
+        dst = poisoned(5, NBYTES)
         assert store.wait(store.load(keys, dst)).ok
         assert torch.equal(dst, src)
     finally:
@@ -190,7 +179,7 @@ def test_cache_posix_round_trip_then_fresh_posix_store(tmp_path: Path) -> None:
     posix = PosixStore(cfg.storage_dirs, io_threads=2)
     try:
         assert posix.lookup(keys) == 5
-        dst = torch.full((5, NBYTES), POISON, dtype=torch.uint8)
+        dst = poisoned(5, NBYTES)
         result = posix.wait(posix.load(keys, dst))
         assert result.ok, result.failed
         assert torch.equal(dst, src)
@@ -201,11 +190,11 @@ def test_cache_posix_round_trip_then_fresh_posix_store(tmp_path: Path) -> None:
 def test_posix_pipeline_round_trip(tmp_path: Path) -> None:
     cfg = store_config(tmp_path, "Posix")
     keys = make_keys(3, 2)
-    src = make_blocks(3, 2)
+    src = make_blocks(3, NBYTES, 2)
     store = shared_store(cfg)
     try:
         assert store.wait(store.dump(keys, src)).ok
-        dst = torch.full((3, NBYTES), POISON, dtype=torch.uint8)
+        dst = poisoned(3, NBYTES)
         assert store.wait(store.load(keys, dst)).ok
         assert torch.equal(dst, src)
     finally:

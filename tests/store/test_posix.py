@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -13,26 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.store.blocks import make_blocks, make_keys, poisoned
 from ucm.store.base import Task, TaskResult
 from ucm.store.posix import FILE_SUFFIX, FORMAT_VERSION, HEADER, HEADER_NBYTES, MAGIC, TMP_SUFFIX, PosixStore
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_NBYTES = [1, 1000, 4099]  # odd sizes: nothing assumes a power of two
-POISON = 0xA5
-
-
-def make_keys(n: int, seed: int) -> list[bytes]:
-    rng = random.Random(seed)
-    return [rng.randbytes(16) for _ in range(n)]
-
-
-def make_blocks(n: int, nbytes: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
-
-
-def poisoned(n: int, nbytes: int) -> torch.Tensor:
-    return torch.full((n, nbytes), POISON, dtype=torch.uint8)
 
 
 def all_files(root: Path) -> list[Path]:
@@ -348,13 +333,12 @@ def test_short_writes_are_completed(store: PosixStore, monkeypatch: pytest.Monke
 
 
 _CHILD = """
-import random, sys, torch
+import sys, torch
+from tests.store.blocks import make_blocks, make_keys
 from ucm.store.posix import PosixStore
 dirs, mode, n, nbytes, key_seed, data_seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
-rng = random.Random(key_seed)
-keys = [rng.randbytes(16) for _ in range(n)]
-gen = torch.Generator().manual_seed(data_seed)
-src = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+keys = make_keys(n, key_seed)
+src = make_blocks(n, nbytes, data_seed)
 store = PosixStore(dirs)
 if mode == "dump":
     ok = store.wait(store.dump(keys, src)).ok

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ucm.kernels.layouts import KVLayout, canonical_block_shape, check_block_ids, check_paged_caches, int_view
+from ucm.kernels.layouts import (
+    KVLayout,
+    canonical_block_shape,
+    check_block_ids,
+    check_paged_caches,
+    cpu_attn_kv_views,
+    int_view,
+)
 
 
 def _alloc_or_check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -67,9 +74,7 @@ def gather_blocks(
     for layer, cache in enumerate(kv_caches):
         c = int_view(cache)
         if layout == KVLayout.CPU_ATTN:
-            halves = c.view(num_blocks, num_kv_heads, 2, block_size * head_dim)
-            k = halves[:, :, 0].unflatten(-1, (head_dim, block_size))  # [nb, H, D, bs]
-            v = halves[:, :, 1].unflatten(-1, (block_size, head_dim))  # [nb, H, bs, D]
+            k, v = cpu_attn_kv_views(c)  # [nb, H, D, bs], [nb, H, bs, D]
             o[:, layer, 0].copy_(k[ids].permute(0, 3, 1, 2))  # -> [n, bs, H, D]
             o[:, layer, 1].copy_(v[ids].permute(0, 2, 1, 3))
         else:  # FLASH_NHD: [2, nb, bs, H, D]

@@ -92,6 +92,21 @@ def check_paged_caches(kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> t
     return shape
 
 
+def cpu_attn_kv_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views of one CPU_ATTN layer tensor ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``.
+
+    Returns:
+        ``(k, v)``: ``k`` is ``[num_blocks, num_kv_heads, head_dim, block_size]`` (K stored transposed) and ``v`` is
+        ``[num_blocks, num_kv_heads, block_size, head_dim]``; both are views (no copy) of ``cache``'s memory.
+    """
+    num_blocks, num_kv_heads, block_size, two_d = cache.shape
+    head_dim = two_d // 2
+    halves = cache.view(num_blocks, num_kv_heads, 2, block_size * head_dim)
+    k = halves[:, :, 0].unflatten(-1, (head_dim, block_size))
+    v = halves[:, :, 1].unflatten(-1, (block_size, head_dim))
+    return k, v
+
+
 def canonical_block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """Shape of one canonical block: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``."""
     return (num_layers, 2, block_size, num_kv_heads, head_dim)

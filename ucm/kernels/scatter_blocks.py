@@ -14,7 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ucm.kernels.layouts import KVLayout, canonical_block_shape, check_block_ids, check_paged_caches, int_view
+from ucm.kernels.layouts import (
+    KVLayout,
+    canonical_block_shape,
+    check_block_ids,
+    check_paged_caches,
+    cpu_attn_kv_views,
+    int_view,
+)
 
 
 def _check_blocks(
@@ -52,16 +59,14 @@ def scatter_blocks(
     Raises:
         ValueError / TypeError: bad shapes, dtypes, devices, layout, repeated or out-of-range block ids.
     """
-    ids, (num_blocks, block_size, num_kv_heads, head_dim) = _check_blocks(blocks, kv_caches, layout, block_ids)
+    ids, _ = _check_blocks(blocks, kv_caches, layout, block_ids)
     if ids.numel() == 0:
         return
     src = int_view(blocks)
     for layer, cache in enumerate(kv_caches):
         c = int_view(cache)
         if layout == KVLayout.CPU_ATTN:
-            halves = c.view(num_blocks, num_kv_heads, 2, block_size * head_dim)
-            k = halves[:, :, 0].unflatten(-1, (head_dim, block_size))  # [nb, H, D, bs]
-            v = halves[:, :, 1].unflatten(-1, (block_size, head_dim))  # [nb, H, bs, D]
+            k, v = cpu_attn_kv_views(c)  # [nb, H, D, bs], [nb, H, bs, D]
             k.index_copy_(0, ids, src[:, layer, 0].permute(0, 2, 3, 1))  # [n, bs, H, D] -> [n, H, D, bs]
             v.index_copy_(0, ids, src[:, layer, 1].permute(0, 2, 1, 3))  # -> [n, H, bs, D]
         else:  # FLASH_NHD: [2, nb, bs, H, D]

@@ -79,6 +79,20 @@ class Task:
         return self._future.result(timeout)
 
 
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Validate block keys: each a 16-byte ``bytes``.
+
+    Raises:
+        TypeError: a key is not ``bytes``.
+        ValueError: a key has the wrong length.
+    """
+    for key in keys:
+        if not isinstance(key, bytes):
+            raise TypeError(f"block keys must be bytes, got {type(key).__name__}")
+        if len(key) != KEY_NBYTES:
+            raise ValueError(f"block keys must be {KEY_NBYTES} bytes, got {len(key)}")
+
+
 def check_keys_and_buffer(keys: Sequence[bytes], buf: torch.Tensor, name: str) -> None:
     """Validate a batch: keys are 16-byte ``bytes``; ``buf`` is a contiguous CPU uint8 ``[len(keys), n]`` tensor.
 
@@ -86,11 +100,7 @@ def check_keys_and_buffer(keys: Sequence[bytes], buf: torch.Tensor, name: str) -
         TypeError: a key is not ``bytes`` or ``buf`` is not a uint8 tensor.
         ValueError: a key has the wrong length, or ``buf``'s shape, device or contiguity is wrong.
     """
-    for key in keys:
-        if not isinstance(key, bytes):
-            raise TypeError(f"block keys must be bytes, got {type(key).__name__}")
-        if len(key) != KEY_NBYTES:
-            raise ValueError(f"block keys must be {KEY_NBYTES} bytes, got {len(key)}")
+    check_keys(keys)
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8:
         got = buf.dtype if isinstance(buf, torch.Tensor) else type(buf).__name__
         raise TypeError(f"{name} must be a torch.uint8 tensor, got {got}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ucm.logger import init_logger
-from ucm.store.base import KEY_NBYTES, Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys, check_keys_and_buffer
 
 logger = init_logger(__name__)
 
@@ -102,7 +102,7 @@ class CacheStore(UcmKVStoreBase):
         Raises:
             TypeError / ValueError: a key is not 16 ``bytes``.
         """
-        _check_keys(keys)
+        check_keys(keys)
         i = 0
         while i < len(keys):
             with self._lock:
@@ -222,18 +222,23 @@ class CacheStore(UcmKVStoreBase):
         if self._inner is None:
             return Task.completed(TaskResult(len(keys), frozenset(misses)))
         miss_keys = [keys[i] for i in misses]
-        # All missed: load straight into dst. Otherwise into a contiguous staging tensor.
-        staging = dst if len(misses) == len(keys) else torch.empty((len(misses), nbytes), dtype=torch.uint8)
+        # Misses are read into a staging tensor this stage owns: after copying rows to dst, its rows become the
+        # promoted DRAM entries without another copy (the caller may reuse dst as soon as the task is done).
+        staging = torch.empty((len(misses), nbytes), dtype=torch.uint8)
         inner_task = self._inner.load(miss_keys, staging)
         assert self._loader is not None
-        return Task(self._loader.submit(self._finish_load, len(keys), misses, miss_keys, staging, dst, inner_task))
+        result: Future[TaskResult] = Future()
+        self._loader.submit(self._finish_load_safely, len(keys), misses, miss_keys, staging, dst, inner_task, result)
+        return Task(result)
 
     def flush(self) -> None:
-        """Block until every write-back started so far has finished."""
+        """Block until every write-back and read-through promotion started so far has finished."""
         with self._lock:
             pending = list(self._pending)
         for future in pending:
             future.exception()  # waits; a failed write-back is already reported in its task
+        if self._loader is not None and not self._closed:
+            self._loader.submit(lambda: None).result()  # one loader thread, FIFO: earlier promotions are done
 
     def close(self) -> None:
         """Flush, stop the background threads and close the stage below. Idempotent."""
@@ -317,6 +322,20 @@ class CacheStore(UcmKVStoreBase):
         failed = frozenset(write_back[j][0] for j in inner_failed if write_back[j][0] not in cached)
         return TaskResult(num_keys, failed)
 
+    def _finish_load_safely(self, num_keys: int, misses: list[int], *args: object) -> None:
+        """Run :meth:`_finish_load`; if it raises before resolving the result, fail the missed keys (never hang)."""
+        result = args[-1]
+        assert isinstance(result, Future)
+        try:
+            # The caller's dst may be an inference tensor (vLLM runs the model under torch.inference_mode);
+            # in-place writes to it from this thread must be in inference mode too.
+            with torch.inference_mode():
+                self._finish_load(num_keys, misses, *args)  # type: ignore[arg-type]
+        except Exception:
+            logger.exception("cache store: finishing a load of %d blocks failed", len(misses))
+            if not result.done():
+                result.set_result(TaskResult(num_keys, frozenset(misses)))
+
     def _finish_load(
         self,
         num_keys: int,
@@ -325,33 +344,29 @@ class CacheStore(UcmKVStoreBase):
         staging: torch.Tensor,
         dst: torch.Tensor,
         inner_task: Task,
-    ) -> TaskResult:
+        result: Future[TaskResult],
+    ) -> None:
+        """Complete a load whose misses went to the stage below: fill ``dst``, resolve ``result``, then promote.
+
+        The promotion into DRAM happens after ``result`` is resolved, so it is not on the caller's critical path.
+        """
         assert self._inner is not None
         try:
-            result = self._inner.wait(inner_task)
+            inner_result = self._inner.wait(inner_task)
         except Exception:
             logger.exception("cache store: load of %d blocks from the stage below failed", len(misses))
-            return TaskResult(num_keys, frozenset(misses))
-        failed = {misses[j] for j in result.failed}
-        for j, i in enumerate(misses):
-            if j in result.failed:
-                continue
-            if staging is not dst:
-                dst[i].copy_(staging[j])
-            if staging.shape[1] > self._capacity:
-                continue
-            copy = staging[j].clone()
+            result.set_result(TaskResult(num_keys, frozenset(misses)))
+            return
+        loaded = [j for j in range(len(misses)) if j not in inner_result.failed]
+        for j in loaded:
+            dst[misses[j]].copy_(staging[j])
+        result.set_result(TaskResult(num_keys, frozenset(misses[j] for j in inner_result.failed)))
+        if staging.shape[1] > self._capacity:
+            return
+        for j in loaded:
             with self._lock:
-                if miss_keys[j] not in self._entries:
-                    entry = self._insert(miss_keys[j], copy)
+                if not self._closed and miss_keys[j] not in self._entries:
+                    # A view of staging: the rows stay alive while any of them is cached (bytes counted per row).
+                    entry = self._insert(miss_keys[j], staging[j])
                     if entry is not None:
                         entry.stored_below = True
-        return TaskResult(num_keys, frozenset(failed))
-
-
-def _check_keys(keys: Sequence[bytes]) -> None:
-    for key in keys:
-        if not isinstance(key, bytes):
-            raise TypeError(f"block keys must be bytes, got {type(key).__name__}")
-        if len(key) != KEY_NBYTES:
-            raise ValueError(f"block keys must be {KEY_NBYTES} bytes, got {len(key)}")

@@ -45,7 +45,7 @@ import torch
 import xxhash
 
 from ucm.logger import init_logger
-from ucm.store.base import KEY_NBYTES, Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys, check_keys_and_buffer
 
 logger = init_logger(__name__)
 
@@ -158,7 +158,7 @@ class PosixStore(UcmKVStoreBase):
         Raises:
             TypeError / ValueError: a key is not 16 ``bytes``.
         """
-        _check_keys(keys)
+        check_keys(keys)
         n = 0
         for key in keys:
             if not os.path.exists(self.block_path(key)):
@@ -277,14 +277,6 @@ class PosixStore(UcmKVStoreBase):
             logger.warning("posix store: damaged block file %s: %s; treating as a miss", path, reason)
             return False
         return True
-
-
-def _check_keys(keys: Sequence[bytes]) -> None:
-    for key in keys:
-        if not isinstance(key, bytes):
-            raise TypeError(f"block keys must be bytes, got {type(key).__name__}")
-        if len(key) != KEY_NBYTES:
-            raise ValueError(f"block keys must be {KEY_NBYTES} bytes, got {len(key)}")
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -30,6 +30,12 @@ UCM_CONNECTOR = "UCMConnector"
 UCM_MODULE = "ucm.integration.vllm.ucm_connector"
 _HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
 _RESULT_PREFIX = "UCM_ENGINE_RESULT "
+_LOAD_FAILED_RE = re.compile(r"\[UC\]\[W\] (\d+) of \d+ blocks failed to load")
+
+
+def failed_loads(stderr: str) -> int:
+    """Blocks whose load failed (and were recomputed), from UCM's warnings in an engine's stderr."""
+    return sum(int(n) for n in _LOAD_FAILED_RE.findall(stderr))
 
 
 def ucm_transfer_config(extra_config: dict[str, Any], kv_role: str = "kv_both") -> dict[str, Any]:

@@ -8,6 +8,7 @@ step waits for, so vLLM may reuse the blocks as soon as it returns).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,9 +105,11 @@ class UCMWorker:
         if not meta.loads or self._layout is None:
             return
         keys, block_ids = self._flatten(meta.loads)
+        t0 = time.perf_counter()
         staging = self._staging(len(keys))
         rows = staging.view(torch.uint8).view(len(keys), -1)
         result = self._store.wait(self._store.load(rank_keys(keys, self._tp_rank, self._tp_size), rows))
+        t1 = time.perf_counter()
         ok = [i for i in range(len(keys)) if i not in result.failed]
         if result.failed:
             failed_ids = {block_ids[i] for i in result.failed}
@@ -118,7 +121,13 @@ class UCMWorker:
         src = staging if len(ok) == len(keys) else staging[ok]
         ids = torch.tensor([block_ids[i] for i in ok], dtype=torch.int64)
         scatter_blocks(src.to(device, non_blocking=True), self._kv_caches, ids.to(device), self._layout)
-        logger.debug("loaded %d blocks into vLLM block ids %s", len(ok), [block_ids[i] for i in ok])
+        logger.debug(
+            "loaded %d blocks into vLLM block ids %s: store %.1f ms, scatter %.1f ms",
+            len(ok),
+            [block_ids[i] for i in ok],
+            (t1 - t0) * 1e3,
+            (time.perf_counter() - t1) * 1e3,
+        )
 
     def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
         """Gather the step's newly full blocks and start their dump (the store finishes writing in background)."""
