@@ -28,10 +28,10 @@ timed requests ask for 1 token; the same real-text prompt of ``--prompt-tokens``
   text instead of a number.
 - ``multiturn``: a conversation whose turn k prompt extends turn k-1's by ``--turn-tokens`` tokens of further real
   text plus a question (turn 1 is ``--prompt-tokens`` tokens of other real text plus a question). The filling
-  processes run the first ``--fill-turns`` turns (default: all); the restarted processes run all turns, each with
+  processes run the first ``--fill-turns`` turns (default 1); the restarted processes run all turns, each with
   vLLM's prefix cache reset first, so only the connector can help: UCM hits every stored full block of the shared
-  prefix, ExampleConnector only whole-prompt repeats (with the default every turn is one; ``--fill-turns 1`` makes
-  the later turns new). Per-turn TTFT and UCM ``hit_external`` blocks are reported; for ExampleConnector the number
+  prefix, ExampleConnector only whole-prompt repeats (with the default, turns 2.. are new after the restart;
+  ``--fill-turns`` equal to ``--turns`` makes every turn a whole-prompt repeat). Per-turn TTFT and UCM ``hit_external`` blocks are reported; for ExampleConnector the number
   of its "External Cache Hit!" log lines in the restarted process.
 - ``outputs_identical``: greedy 16-token answers to the prompt from the recompute baseline, a UCM DRAM hit and a
   UCM hit after restart (each checked to be a real hit) have the same token ids. The in-memory hit's answer is
@@ -154,7 +154,7 @@ class Phase:
     error: str | None = None
 
     def ttft(self, index: int) -> float | None:
-        return self.results[index].ttft_ms if index < len(self.results) else None
+        return round(self.results[index].ttft_ms, 2) if index < len(self.results) else None
 
     def uc_lines(self) -> list[str]:
         return [ln for ln in self.stderr.splitlines() if "[UC]" in ln]
@@ -234,23 +234,32 @@ def error_report(phase: Phase) -> str:
     )
 
 
-def expect_hits(phase: Phase, indices: list[int], what: str, problems: list[str]) -> None:
-    """Record a problem (with the phase's [UC] lines) for each result in ``indices`` that UCM did not serve."""
+def expect_hits(phase: Phase, indices: list[int], what: str, problems: list[str], full: bool = True) -> None:
+    """Record a problem for each request in ``indices`` that UCM did not serve as expected.
+
+    ``full``: every full block of the prompt; otherwise at least the full blocks of the previous request of the
+    phase (a turn that extends the previous turn). Requests are numbered from 0 after the warm-up; the phase's
+    [UC] lines go to ``ucm_log_lines`` in the JSON.
+    """
     for i in indices:
-        if i >= len(phase.results):
+        if i >= len(phase.results) or (not full and i == 0):
             continue
         r = phase.results[i]
-        if r.hit_external <= 0:
-            lines = "\n".join(phase.uc_lines()[-20:])
+        prev_blocks = phase.results[i - 1].total_blocks if i > 0 else 0
+        if not (served(phase, i) if full else r.hit_external + r.hit_hbm >= prev_blocks):
+            want = f"all {r.total_blocks} blocks" if full else f"the previous turn's {prev_blocks} blocks"
             problems.append(
-                f"{phase.name}: {what} (request {i}) expected a UCM hit, got hit_external={r.hit_external} "
-                f"of total_blocks={r.total_blocks}, hit_hbm={r.hit_hbm}; [UC] lines:\n{lines}"
+                f"{phase.name}: {what} (request {i}) expected {want} from UCM, got hit_external={r.hit_external} "
+                f"of total_blocks={r.total_blocks}, hit_hbm={r.hit_hbm}, TTFT {r.ttft_ms:.1f} ms"
             )
 
 
 def served(phase: Phase, index: int) -> bool:
-    """Whether UCM loaded blocks for request ``index`` of ``phase``."""
-    return index < len(phase.results) and phase.results[index].hit_external > 0
+    """Whether UCM loaded every full block of request ``index`` of ``phase``."""
+    if index >= len(phase.results):
+        return False
+    r = phase.results[index]
+    return r.total_blocks > 0 and r.hit_external + r.hit_hbm >= r.total_blocks
 
 
 def raw_ttfts(phase: Phase) -> list[float] | str:
@@ -298,17 +307,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fill-turns",
         type=int,
-        default=None,
-        help="turns the filling processes run before the restart (default: all, so every turn after the restart "
-        "repeats a stored prompt; fewer leaves later turns new, which ExampleConnector cannot serve)",
+        default=1,
+        help="turns the filling processes run before the restart (default 1: later turns are new after the "
+        "restart and share only a prefix with a stored prompt, which ExampleConnector cannot serve; "
+        "--fill-turns equal to --turns makes every turn a whole-prompt repeat)",
     )
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
     p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
     args = p.parse_args(argv)
     if args.prompt_tokens < 200 or args.repeats < 1 or args.restarts < 1 or args.turns < 1 or args.turn_tokens < 1:
         p.error("need --prompt-tokens >= 200 and --repeats, --restarts, --turns, --turn-tokens >= 1")
-    if args.fill_turns is None:
-        args.fill_turns = args.turns
     if not 0 <= args.fill_turns <= args.turns:
         p.error("need 0 <= --fill-turns <= --turns")
     return args
@@ -385,21 +393,24 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"{phase.name} failed: {error_report(phase)}")
     answer_at = 1 + r  # index of the answer request in recompute / inmemory / ucm_fill (warm-up removed)
     if not ucm_fill.error:
-        first = ucm_fill.results[0]
-        if first.hit_external != 0:
-            problems.append(f"ucm_fill: cold run on a fresh store had hit_external={first.hit_external}")
+        cold_result = ucm_fill.results[0]
+        if cold_result.hit_external != 0:
+            problems.append(f"ucm_fill: cold run on a fresh store had hit_external={cold_result.hit_external}")
         expect_hits(ucm_fill, [*range(1, 1 + r), answer_at], "DRAM hit", problems)
+        # Each later turn extends the previous one, whose blocks this process has just stored.
+        turn_ids = [answer_at + 1 + i for i in range(1, fill_n)]
+        expect_hits(ucm_fill, turn_ids, "multi-turn turn (previous turn stored by this process)", problems, full=False)
     for phase in ucm_restarts:
         if not phase.error:
-            expect_hits(phase, [0, 1] if phase is ucm_restarts[0] else [0], "storage hit after restart", problems)
+            expect_hits(phase, [0, 1] if phase is ucm_restarts[0] else [0], "hit after restart", problems)
 
     cold_without = recompute.ttft(0)
     cold_with = ucm_fill.ttft(0)
     recompute_ms = median([recompute.ttft(i) for i in range(1, 1 + r)])
     inmem_ms = median([inmem.ttft(i) for i in range(1, 1 + r)])
-    # Only repeats that UCM served count as DRAM hits (a miss is listed in problems above, with its TTFT in raw).
+    # Only repeats that UCM served in full count as DRAM hits (others are listed in problems, their TTFT in raw).
     dram_ms = median([ucm_fill.ttft(i) for i in range(1, 1 + r) if served(ucm_fill, i)])
-    storage_ms = median([p.ttft(0) for p in ucm_restarts])
+    storage_ms = median([p.ttft(0) for p in ucm_restarts if served(p, 0)])
     ex_ok = [p for p in ex_restarts if not p.error]
     example_ms: float | str | None
     if ex_fill.error:
@@ -447,9 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         "fill_turns": fill_n,
     }
     if not ucm_b.error:
-        # A turn hits if it was stored before the restart, or extends the previous turn (stored in this process).
-        expected = [2 + i for i in range(turns_n) if i < fill_n or i > 0]
-        expect_hits(ucm_b, expected, "multi-turn turn after restart", problems)
+        # A turn stored before the restart hits in full; a later one hits the previous turn (stored in this process).
+        expect_hits(ucm_b, [2 + i for i in range(min(fill_n, turns_n))], "multi-turn turn after restart", problems)
+        later = [2 + i for i in range(max(fill_n, 1), turns_n)]
+        expect_hits(ucm_b, later, "multi-turn turn after restart, new", problems, full=False)
 
     summary: dict[str, Any] = {
         "prompt_tokens": prompts.main_tokens,
@@ -480,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         "engine_seconds": {p.name: round(p.seconds, 1) for p in all_phases},
         "raw_ttft_ms": {p.name: raw_ttfts(p) for p in all_phases},
         "problems": problems,
+        "ucm_log_lines": {
+            p.name: p.uc_lines() for p in all_phases if p.uc_lines() and any(p.name in x for x in problems)
+        },
         "machine": {**machine(), "load_avg_1min_start": load_start},
         "versions": versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -540,6 +555,10 @@ def print_table(s: dict[str, Any]) -> None:
     )
     for problem in s["problems"]:
         print(f"PROBLEM: {problem}")
+    for name, lines in s["ucm_log_lines"].items():
+        print(f"[UC] lines of {name}:")
+        for line in lines:
+            print(f"  {line[:200]}")
     if isinstance(s["example_connector_restart_ms"], str):
         print(f"ExampleConnector: {s['example_connector_restart_ms']}")
 

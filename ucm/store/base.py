@@ -20,7 +20,7 @@ block; the caller keeps ``src`` unchanged and ``dst`` alive until the task is do
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -110,6 +110,23 @@ def check_keys_and_buffer(keys: Sequence[bytes], buf: torch.Tensor, name: str) -
         raise ValueError(
             f"{name} must be a contiguous CPU tensor (device={buf.device}, contiguous={buf.is_contiguous()})"
         )
+
+
+def tiered_lookup(keys: Sequence[bytes], present: Callable[[bytes], bool], below: UcmKVStoreBase | None) -> int:
+    """Leading ``keys`` that are ``present`` here or, failing that, in the store ``below`` (prefix semantics).
+
+    Asks ``below`` once per run of keys missing here, so a key held by either tier counts.
+    """
+    i = 0
+    while i < len(keys):
+        if present(keys[i]):
+            i += 1
+            continue
+        found = below.lookup(keys[i:]) if below is not None else 0
+        if found == 0:
+            break
+        i += found
+    return i
 
 
 class UcmKVStoreBase(abc.ABC):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ucm.logger import init_logger
-from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys, check_keys_and_buffer
+from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys, check_keys_and_buffer, tiered_lookup
 
 logger = init_logger(__name__)
 
@@ -103,20 +103,12 @@ class CacheStore(UcmKVStoreBase):
             TypeError / ValueError: a key is not 16 ``bytes``.
         """
         check_keys(keys)
-        i = 0
-        while i < len(keys):
+
+        def cached(key: bytes) -> bool:
             with self._lock:
-                hit = keys[i] in self._entries
-            if hit:
-                i += 1
-                continue
-            if self._inner is None:
-                break
-            k = self._inner.lookup(keys[i:])
-            if k == 0:
-                break
-            i += k
-        return i
+                return key in self._entries
+
+        return tiered_lookup(keys, cached, self._inner)
 
     def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
         """Copy the rows of ``src`` (uint8 ``[len(keys), nbytes]``) into DRAM, then write them back below.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -28,3 +28,20 @@ class UCMConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     dumps: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class UCMWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step: keys their store now holds (in DRAM or on storage).
+
+    The scheduler's process does not see the workers' DRAM tier; without this, a block would only be found once
+    written back to storage. Keys are rank-independent (as in :class:`BlockTransfer`).
+    """
+
+    stored_keys: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Keep the keys every rank stored (a block is usable only when all its shards are)."""
+        assert isinstance(other, UCMWorkerMetadata)
+        theirs = set(other.stored_keys)
+        return UCMWorkerMetadata([k for k in self.stored_keys if k in theirs])

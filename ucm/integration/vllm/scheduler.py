@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,7 +12,7 @@ from ucm.hashing import block_keys, request_seed
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.logger import init_logger
-from ucm.store.base import UcmKVStoreBase
+from ucm.store.base import UcmKVStoreBase, tiered_lookup
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -73,6 +75,10 @@ class UCMScheduler:
         self._load = load
         self._dump = dump
         self._requests: dict[str, _RequestState] = {}
+        # Keys the workers reported as stored (their DRAM tier is invisible from this process), most recent last.
+        # Bounded: older keys have been written back to storage by the time they fall out.
+        self._recent: OrderedDict[bytes, None] = OrderedDict()
+        self._recent_capacity = max(4096, 2 * config.store.cache_buffer_capacity_bytes // max(1, spec.block_nbytes))
 
     def _keys(self, request: Request) -> list[bytes]:
         tokens = request.prompt_token_ids
@@ -83,6 +89,18 @@ class UCMScheduler:
         num_blocks = len(tokens) // self._block_size
         return block_keys(seed, tokens, self._block_size, _mm_block_extras(request, num_blocks, self._block_size))
 
+    def add_stored_keys(self, keys: Sequence[bytes]) -> None:
+        """Record keys the workers stored this step (from ``UCMWorkerMetadata``)."""
+        for key in keys:
+            self._recent[key] = None
+            self._recent.move_to_end(key)
+        while len(self._recent) > self._recent_capacity:
+            self._recent.popitem(last=False)
+
+    def _lookup(self, keys: list[bytes]) -> int:
+        """Leading keys present: reported by the workers, or found by the store."""
+        return tiered_lookup(keys, self._recent.__contains__, self._store)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (vLLM's HBM hit) that the store can supply; loads are synchronous.
 
@@ -91,11 +109,11 @@ class UCMScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             keys = self._keys(request)
-            num_stored = self._store.lookup(keys) if keys else 0
+            num_stored = self._lookup(keys)
             state = _RequestState(keys=keys, num_stored=num_stored)
             self._requests[request.request_id] = state
         else:  # called again (not scheduled last time, or preempted): the store may have changed
-            state.num_stored = self._store.lookup(state.keys) if state.keys else 0
+            state.num_stored = self._lookup(state.keys)
         num_hbm = num_computed_tokens // self._block_size
         state.num_hbm = num_hbm
         num_external = 0

@@ -23,12 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from ucm.config import UcmConfig, config_from_extra_config
 from ucm.integration.vllm.engine_info import detect_layout, kv_spec, namespace
-from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.integration.vllm.scheduler import UCMScheduler
 from ucm.integration.vllm.worker import UCMWorker
 from ucm.logger import init_logger
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -128,6 +130,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.wait_for_save(self._meta())
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_stored_keys() if self._worker is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
@@ -151,6 +156,11 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if self._scheduler is not None and isinstance(meta, UCMWorkerMetadata):
+            self._scheduler.add_stored_keys(meta.stored_keys)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Dumps are gathered during the step that fills a block, so blocks can be freed at once.

@@ -15,7 +15,7 @@ import torch
 
 from ucm.hashing import KEY_NBYTES
 from ucm.integration.vllm.engine_info import KVSpec
-from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks
 from ucm.logger import init_logger
 from ucm.store.base import Task, UcmKVStoreBase
@@ -61,6 +61,8 @@ class UCMWorker:
         self._layout: KVLayout | None = None
         self._load_errors: set[int] = set()
         self._pending_dumps: list[tuple[Task, torch.Tensor, int]] = []
+        self._stored_keys: list[bytes] = []
+        self._load_buffer: torch.Tensor | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer paged KV tensors, ordered as the KV spec's layers.
@@ -83,9 +85,18 @@ class UCMWorker:
         )
 
     def _staging(self, n: int) -> torch.Tensor:
+        """A new ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` CPU buffer (dumps: owned by the store
+        until its task is done)."""
         s = self._spec
         shape = (n, *canonical_block_shape(len(self._kv_caches), s.block_size, s.num_kv_heads, s.head_dim))
         return torch.empty(shape, dtype=s.dtype, device="cpu")
+
+    def _load_staging(self, n: int) -> torch.Tensor:
+        """The first ``n`` blocks of a load buffer kept across steps (loads are synchronous, so it is free again
+        when ``start_load_kv`` returns); reusing it spares the page faults of a fresh allocation per load."""
+        if self._load_buffer is None or self._load_buffer.shape[0] < n:
+            self._load_buffer = self._staging(max(n, 16))
+        return self._load_buffer[:n]
 
     @staticmethod
     def _flatten(transfers: list[BlockTransfer]) -> tuple[list[bytes], list[int]]:
@@ -106,7 +117,7 @@ class UCMWorker:
             return
         keys, block_ids = self._flatten(meta.loads)
         t0 = time.perf_counter()
-        staging = self._staging(len(keys))
+        staging = self._load_staging(len(keys))
         rows = staging.view(torch.uint8).view(len(keys), -1)
         result = self._store.wait(self._store.load(rank_keys(keys, self._tp_rank, self._tp_size), rows))
         t1 = time.perf_counter()
@@ -142,9 +153,16 @@ class UCMWorker:
         else:
             staging = gather_blocks(self._kv_caches, ids, self._layout).to("cpu")
         rows = staging.view(torch.uint8).view(len(keys), -1)
-        task = self._store.dump(rank_keys(keys, self._tp_rank, self._tp_size), rows)
+        ranked = rank_keys(keys, self._tp_rank, self._tp_size)
+        task = self._store.dump(ranked, rows)
         # Keep the staging buffer alive until the store has finished with it.
         self._pending_dumps.append((task, rows, len(keys)))
+        # Blocks the store can already serve (e.g. copied into the DRAM tier), reported to the scheduler.
+        start = 0
+        for t in meta.dumps:
+            n = len(t.keys)
+            self._stored_keys.extend(t.keys[: self._store.lookup(ranked[start : start + n])])
+            start += n
         logger.debug("dumping %d blocks: vLLM block ids %s", len(keys), block_ids)
 
     def _reap_dumps(self, block: bool) -> None:
@@ -157,6 +175,13 @@ class UCMWorker:
             else:
                 still.append((task, rows, n))
         self._pending_dumps = still
+
+    def take_stored_keys(self) -> UCMWorkerMetadata | None:
+        """Keys stored since the last call, for the scheduler (``None`` when there are none)."""
+        if not self._stored_keys:
+            return None
+        meta, self._stored_keys = UCMWorkerMetadata(self._stored_keys), []
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (reported once)."""
