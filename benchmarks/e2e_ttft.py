@@ -31,8 +31,9 @@ timed requests ask for 1 token; the same real-text prompt of ``--prompt-tokens``
   processes run the first ``--fill-turns`` turns (default 1); the restarted processes run all turns, each with
   vLLM's prefix cache reset first, so only the connector can help: UCM hits every stored full block of the shared
   prefix, ExampleConnector only whole-prompt repeats (with the default, turns 2.. are new after the restart;
-  ``--fill-turns`` equal to ``--turns`` makes every turn a whole-prompt repeat). Per-turn TTFT and UCM ``hit_external`` blocks are reported; for ExampleConnector the number
-  of its "External Cache Hit!" log lines in the restarted process.
+  ``--fill-turns`` equal to ``--turns`` makes every turn a whole-prompt repeat). Per-turn TTFT and UCM
+  ``hit_external`` blocks are reported; for ExampleConnector the number of its "External Cache Hit!" log lines in
+  the restarted process.
 - ``outputs_identical``: greedy 16-token answers to the prompt from the recompute baseline, a UCM DRAM hit and a
   UCM hit after restart (each checked to be a real hit) have the same token ids. The in-memory hit's answer is
   reported too (``outputs_inmemory_equal_recompute``) as a reference for bf16 noise between compute paths.
