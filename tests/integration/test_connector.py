@@ -172,3 +172,22 @@ def test_producer_dumps_and_consumer_loads_without_dumping(tiny_model, prompts, 
     assert_same_output(consumed[0], produced[0])
     assert consumed[1].hit_external == 4
     assert len(list(store.rglob("*.ucmb"))) == 4  # the consumer wrote nothing (P2's 2 new blocks not dumped)
+
+
+def test_same_process_repeat_is_served_from_dram(tiny_model, prompts, tmp_path):
+    """vLLM's own prefix cache off: a repeat in the same engine is served from UCM's DRAM tier. The scheduler runs in
+    another process than the worker's DRAM cache; it knows the blocks are there because the worker reports them.
+    To show that no storage read is involved, every shard directory name of the store is taken by a regular file:
+    write-backs fail (a real ENOTDIR, warned once), so the blocks exist only in DRAM."""
+    store = tmp_path / "store"
+    store.mkdir()
+    for i in range(256):
+        (store / f"{i:02x}").write_bytes(b"")
+    spec = _spec(tiny_model, store, [{"prompt": prompts["p1"]}, {"prompt": prompts["p1"]}])
+    spec["enable_prefix_caching"] = False
+    results, stderr = run_engine(spec)
+    assert not list(store.rglob("*.ucmb"))
+    assert "[UC][W]" in stderr  # the failed write-back is reported
+    assert [(r.hit_hbm, r.hit_external) for r in results] == [(0, 0), (0, 4)]
+    assert failed_loads(stderr) == 0
+    assert_same_output(results[1], results[0])
