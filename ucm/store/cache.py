@@ -214,8 +214,8 @@ class CacheStore(UcmKVStoreBase):
         if self._inner is None:
             return Task.completed(TaskResult(len(keys), frozenset(misses)))
         miss_keys = [keys[i] for i in misses]
-        # Misses are read into a staging tensor this stage owns: after copying rows to dst, its rows become the
-        # promoted DRAM entries without another copy (the caller may reuse dst as soon as the task is done).
+        # Misses are read into a staging tensor this stage owns: rows are copied to dst, the result is resolved, and
+        # only then are they promoted into DRAM (the caller may reuse dst as soon as the task is done).
         staging = torch.empty((len(misses), nbytes), dtype=torch.uint8)
         inner_task = self._inner.load(miss_keys, staging)
         assert self._loader is not None
@@ -358,7 +358,8 @@ class CacheStore(UcmKVStoreBase):
         for j in loaded:
             with self._lock:
                 if not self._closed and miss_keys[j] not in self._entries:
-                    # A view of staging: the rows stay alive while any of them is cached (bytes counted per row).
-                    entry = self._insert(miss_keys[j], staging[j])
+                    # A copy, not a view of staging: a view would keep the whole staging tensor alive while any
+                    # of its rows is cached, and DRAM use would exceed what the capacity accounting counts.
+                    entry = self._insert(miss_keys[j], staging[j].clone())
                     if entry is not None:
                         entry.stored_below = True
