@@ -68,7 +68,6 @@ class UCMScheduler:
         load: bool,
         dump: bool,
     ) -> None:
-        self._config = config
         self._block_size = spec.block_size
         self._namespace = namespace_digest
         self._store = store
