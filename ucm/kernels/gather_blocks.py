@@ -1,14 +1,17 @@
 """gather_blocks: vLLM paged KV (all layers) -> canonical blocks, for a list of vLLM block ids.
 
-Reads, for each block id in ``block_ids`` and each layer ``l``, that block's K and V out of ``kv_caches[l]`` (in
-``layout``) and writes them to ``out[i, l]`` in canonical order ``[2, block_size, num_kv_heads, head_dim]``
-(``ucm.kernels.layouts``). Pure data movement: bytes are copied through integer views, so the result is
-bit-exact for every dtype (bf16, fp16, fp32, fp8 as bytes), NaN payloads and -0.0 included.
+Reads, for each block id in ``block_ids`` and each layer ``l``, that block's shard out of ``kv_caches[l]`` (in
+``layout``) and writes it to ``out[i, l]`` in canonical order ``[2, block_size, num_kv_heads, head_dim]`` (MLA
+``[block_size, latent_dim]``; see ``ucm.kernels.layouts``). Pure data movement: bytes are copied through integer
+views, so the result is bit-exact for every dtype (bf16, fp16, fp32, fp8 as bytes), NaN payloads and -0.0 included.
 
-Two implementations with identical results:
-- :func:`gather_blocks` - the fast path on CPU tensors (and any torch device): one strided copy per layer and
-  K/V half, using advanced indexing over the block dimension.
-- :func:`gather_blocks_reference` - the test oracle: loops over blocks and heads and spells out the memory layout.
+Implementations, all with identical results (``impl=``):
+- ``"triton"``: one launch of ``ucm.kernels._block_copy._block_copy_kernel`` for all layers; the default on CUDA.
+  On CPU tensors it runs in the Triton interpreter (tests only: slow).
+- ``"cpu"``: the CPU fast path (a ``memmove`` per contiguous run; numba with 4x4 word-tile transposes for
+  CPU_ATTN); the default on CPU.
+- ``"torch"``: strided torch copies, any device; the default on devices other than CPU and CUDA.
+- :func:`gather_blocks_reference`: the test oracle, looping over blocks, layers and heads.
 """
 
 from __future__ import annotations
@@ -17,17 +20,22 @@ from collections.abc import Sequence
 
 import torch
 
+from ucm.kernels._block_copy import Impl, copy_blocks, resolve_impl
 from ucm.kernels.layouts import (
     KVLayout,
-    canonical_block_shape,
+    canonical_shard_shape,
     check_block_ids,
     check_paged_caches,
-    cpu_attn_kv_views,
     int_view,
 )
 
 
-def _alloc_or_check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+def alloc_or_check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """``out`` after checking it is a contiguous ``shape`` tensor of ``like``'s dtype and device, or a new one.
+
+    Raises:
+        ValueError: ``out`` has another shape, dtype or device, or is not contiguous.
+    """
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
@@ -44,41 +52,37 @@ def gather_blocks(
     block_ids: torch.Tensor,
     layout: KVLayout,
     out: torch.Tensor | None = None,
+    *,
+    impl: Impl = "auto",
 ) -> torch.Tensor:
     """Copy blocks ``block_ids`` of every layer's paged KV into canonical blocks.
 
     Args:
-        kv_caches: one paged KV tensor per layer, all the same shape/dtype/device, in ``layout``
+        kv_caches: one contiguous paged KV tensor per layer, all the same shape/dtype/device, in ``layout``
             (CPU_ATTN ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``; FLASH_NHD
-            ``[2, num_blocks, block_size, num_kv_heads, head_dim]``).
-        block_ids: int32/int64 ``[n]`` vLLM block ids (repeats allowed).
+            ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; MLA ``[num_blocks, block_size, latent_dim]``).
+            Any dtype (bf16, fp16, fp32, fp8, ...): elements are moved as same-width integers.
+        block_ids: int32/int64 ``[n]`` vLLM block ids, on any device (repeats allowed: the block is copied again).
         layout: the paged layout.
-        out: optional contiguous ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` tensor of the caches'
-            dtype and device to write into.
+        out: optional contiguous ``[n, num_layers, *shard]`` tensor of the caches' dtype and device, where shard is
+            ``[2, block_size, num_kv_heads, head_dim]`` (MLA ``[block_size, latent_dim]``).
+        impl: ``"auto"`` (Triton on CUDA, the CPU fast path on CPU, torch elsewhere), ``"triton"``, ``"cpu"`` or
+            ``"torch"``.
 
     Returns:
-        ``out`` (allocated if not given): ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]``, KV dtype.
+        ``out`` (allocated if not given): ``[n, num_layers, *shard]``, KV dtype; the bytes of canonical blocks.
 
     Raises:
-        ValueError / TypeError: bad shapes, dtypes, devices, layout, or block ids out of range.
+        TypeError: ``block_ids`` is not an int32/int64 tensor.
+        ValueError: bad shapes, dtypes, devices, layout or ``impl``, or block ids out of ``[0, num_blocks)``.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_paged_caches(kv_caches, layout)
-    ids = check_block_ids(block_ids, num_blocks).to(kv_caches[0].device)
-    n, num_layers = ids.numel(), len(kv_caches)
-    out = _alloc_or_check_out(
-        out, (n, *canonical_block_shape(num_layers, block_size, num_kv_heads, head_dim)), kv_caches[0]
-    )
-    if n == 0:
-        return out
-    o = int_view(out)  # [n, L, 2, bs, H, D]
-    for layer, cache in enumerate(kv_caches):
-        c = int_view(cache)
-        if layout == KVLayout.CPU_ATTN:
-            k, v = cpu_attn_kv_views(c)  # [nb, H, D, bs], [nb, H, bs, D]
-            o[:, layer, 0].copy_(k[ids].permute(0, 3, 1, 2))  # -> [n, bs, H, D]
-            o[:, layer, 1].copy_(v[ids].permute(0, 2, 1, 3))
-        else:  # FLASH_NHD: [2, nb, bs, H, D]
-            o[:, layer].copy_(c[:, ids].transpose(0, 1))
+    device = kv_caches[0].device
+    which = resolve_impl(impl, device)
+    ids = check_block_ids(block_ids, num_blocks).to(device)
+    shard = canonical_shard_shape(block_size, num_kv_heads, head_dim, layout)
+    out = alloc_or_check_out(out, (ids.numel(), len(kv_caches), *shard), kv_caches[0])
+    copy_blocks(kv_caches, ids, layout, out, gather=True, impl=which)
     return out
 
 
@@ -89,7 +93,7 @@ def gather_blocks_reference(
     num_blocks, block_size, num_kv_heads, head_dim = check_paged_caches(kv_caches, layout)
     ids = check_block_ids(block_ids, num_blocks).tolist()
     out = torch.empty(
-        (len(ids), *canonical_block_shape(len(kv_caches), block_size, num_kv_heads, head_dim)),
+        (len(ids), len(kv_caches), *canonical_shard_shape(block_size, num_kv_heads, head_dim, layout)),
         dtype=kv_caches[0].dtype,
         device=kv_caches[0].device,
     )
@@ -97,6 +101,9 @@ def gather_blocks_reference(
     for i, b in enumerate(ids):
         for layer, cache in enumerate(kv_caches):
             c = int_view(cache)
+            if layout == KVLayout.MLA:
+                o[i, layer] = c[b]
+                continue
             for h in range(num_kv_heads):
                 if layout == KVLayout.CPU_ATTN:
                     flat = c[b, h].reshape(-1)  # K^T [D, bs] then V [bs, D]

@@ -3,8 +3,11 @@
 Canonical block (what a store holds, independent of the attention backend)::
 
     block[num_layers, 2, block_size, num_kv_heads, head_dim]      # [layer][K=0 | V=1][token][head][dim]
+    block[num_layers, block_size, latent_dim]                     # MLA: one latent per token, no K/V split
 
-in the model's KV dtype, C-contiguous; as bytes, one row of ``block_nbytes`` in a ``uint8`` staging tensor.
+in the model's KV dtype, C-contiguous; as bytes, one row of ``block_nbytes`` in a ``uint8`` staging tensor. One
+layer's part of it (``[2, block_size, num_kv_heads, head_dim]``, MLA ``[block_size, latent_dim]``) is a *shard*:
+the unit a layerwise load or dump moves.
 
 vLLM layouts (one tensor per attention layer):
 
@@ -14,6 +17,8 @@ vLLM layouts (one tensor per attention layer):
   Verified against ``torch.ops._C.cpu_attn_reshape_and_cache`` (vLLM 0.32). The ``amx`` variant stores K in
   another tiling and is refused (see ``ucm.integration.vllm.layout``).
 - ``KVLayout.FLASH_NHD``: FlashAttention and Triton backends, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+- ``KVLayout.MLA``: multi-head latent attention (DeepSeek-style), ``[num_blocks, block_size, latent_dim]``. For MLA,
+  ``num_kv_heads`` is 1 and ``head_dim`` means ``latent_dim`` in the helpers below.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class KVLayout(str, enum.Enum):
 
     CPU_ATTN = "cpu_attn"
     FLASH_NHD = "flash_nhd"
+    MLA = "mla"
 
 
 # Copies run on same-width integer views so they are bit-exact (NaN payloads, -0.0) and work for fp8 too.
@@ -48,7 +54,8 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def paged_shape(layout: KVLayout, cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """``(num_blocks, block_size, num_kv_heads, head_dim)`` of one layer's paged KV tensor.
+    """``(num_blocks, block_size, num_kv_heads, head_dim)`` of one layer's paged KV tensor
+    (MLA: ``(num_blocks, block_size, 1, latent_dim)``).
 
     Raises:
         ValueError: ``cache`` does not have the rank/shape of ``layout``, or is not contiguous.
@@ -69,6 +76,11 @@ def paged_shape(layout: KVLayout, cache: torch.Tensor) -> tuple[int, int, int, i
             )
         _, nb, bs, h, d = cache.shape
         return nb, bs, h, d
+    if layout == KVLayout.MLA:
+        if cache.dim() != 3:
+            raise ValueError(f"MLA KV must be [num_blocks, block_size, latent_dim], got {tuple(cache.shape)}")
+        nb, bs, d = cache.shape
+        return nb, bs, 1, d
     raise ValueError(f"unknown KV layout {layout!r}; allowed: {[m.value for m in KVLayout]}")
 
 
@@ -107,9 +119,32 @@ def cpu_attn_kv_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def canonical_block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of one canonical block: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``."""
-    return (num_layers, 2, block_size, num_kv_heads, head_dim)
+def canonical_shard_shape(
+    block_size: int, num_kv_heads: int, head_dim: int, layout: KVLayout | None = None
+) -> tuple[int, ...]:
+    """Shape of one layer's shard of a canonical block: ``(2, block_size, num_kv_heads, head_dim)``; for
+    ``layout=KVLayout.MLA`` ``(block_size, head_dim)`` (``head_dim`` = latent_dim).
+
+    Raises:
+        ValueError: MLA with ``num_kv_heads != 1``.
+    """
+    if layout == KVLayout.MLA:
+        if num_kv_heads != 1:
+            raise ValueError(f"MLA has one latent per token: num_kv_heads must be 1, got {num_kv_heads}")
+        return (block_size, head_dim)
+    return (2, block_size, num_kv_heads, head_dim)
+
+
+def canonical_block_shape(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, layout: KVLayout | None = None
+) -> tuple[int, ...]:
+    """Shape of one canonical block: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``; for
+    ``layout=KVLayout.MLA`` ``(num_layers, block_size, head_dim)`` (``head_dim`` = latent_dim).
+
+    Raises:
+        ValueError: MLA with ``num_kv_heads != 1``.
+    """
+    return (num_layers, *canonical_shard_shape(block_size, num_kv_heads, head_dim, layout))
 
 
 def check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:

@@ -1,0 +1,245 @@
+"""The shared block-copy kernels (``ucm.kernels._block_copy``) through every implementation and op.
+
+- Triton under the interpreter on CPU tensors (``TRITON_INTERPRET=1`` semantics; small shapes, it is slow) and
+  natively on CUDA when present; the numba CPU path and the torch path; all bit-exact against the naive references
+  on integer views, into NaN-poisoned outputs.
+- Every layout including MLA, for the blockwise ops (``gather_blocks``/``scatter_blocks``) and the layerwise
+  staging ops (``gather_layers``/``scatter_layers``).
+- Each Triton kernel variant compiled for sm_90 on this CPU, so lowering errors show without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.kernels.kv_data import (
+    BIG_BLOCK_SIZE,
+    BIG_HEAD_DIM,
+    BIG_HEADS,
+    BIG_NUM_BLOCKS,
+    DTYPE_IDS,
+    DTYPES,
+    bits_equal,
+    poisoned,
+    random_kv,
+)
+from ucm.kernels import (
+    KVLayout,
+    gather_blocks,
+    gather_blocks_reference,
+    gather_layers,
+    gather_layers_reference,
+    scatter_blocks,
+    scatter_blocks_reference,
+    scatter_layers,
+    scatter_layers_reference,
+)
+from ucm.kernels._block_copy import _block_copy_kernel, kernel_meta
+from ucm.kernels.layouts import int_view
+
+ALL_LAYOUTS = [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD, KVLayout.MLA]
+# (block_size, num_kv_heads, head_dim) kept small for the interpreter; odd head dims and both block sizes.
+SHAPES = [(16, 3, 80), (16, 1, 64), (128, 2, 128), (16, 1, 576)]
+CPU_IMPLS = ["cpu", "torch", "triton"]  # "triton" on CPU tensors = the Triton interpreter
+NUM_LAYERS, NUM_BLOCKS = 3, 9
+IDS = [7, 0, 4, 8]
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: native Triton runs only where a GPU exists")
+
+
+def make_caches(layout: KVLayout, dtype: torch.dtype, shape: tuple[int, int, int], device: str = "cpu", seed: int = 0):
+    block_size, heads, dim = shape
+    heads = 1 if layout == KVLayout.MLA else heads
+    gen = torch.Generator().manual_seed(seed)
+    if layout == KVLayout.CPU_ATTN:
+        one = (NUM_BLOCKS, heads, block_size, 2 * dim)
+    elif layout == KVLayout.FLASH_NHD:
+        one = (2, NUM_BLOCKS, block_size, heads, dim)
+    else:
+        one = (NUM_BLOCKS, block_size, dim)
+    return [random_kv(one, dtype, gen).to(device) for _ in range(NUM_LAYERS)]
+
+
+def poisoned_like(caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [poisoned(tuple(c.shape), c.dtype).to(c.device) for c in caches]
+
+
+def shape_id(s: tuple[int, int, int]) -> str:
+    return f"bs{s[0]}-h{s[1]}-d{s[2]}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=[DTYPE_IDS[d] for d in DTYPES])
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=[lay.value for lay in ALL_LAYOUTS])
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_every_impl_matches_reference(impl: str, layout: KVLayout, dtype: torch.dtype, shape: tuple) -> None:
+    check_all_ops(make_caches(layout, dtype, shape), layout, impl)
+
+
+def check_all_ops(caches: list[torch.Tensor], layout: KVLayout, impl: str) -> None:
+    """gather/scatter, blocks/layers: each bit-exact against its reference, outputs NaN-poisoned."""
+    dev = caches[0].device
+    ids = torch.tensor(IDS, dtype=torch.int64, device=dev)
+    ref_cpu = gather_blocks_reference([c.cpu() for c in caches], ids.cpu(), layout)
+
+    blocks = poisoned(tuple(ref_cpu.shape), ref_cpu.dtype).to(dev)
+    assert gather_blocks(caches, ids, layout, out=blocks, impl=impl) is blocks  # type: ignore[arg-type]
+    assert bits_equal(blocks.cpu(), ref_cpu)
+
+    layers = gather_layers(caches, ids.to(torch.int32), layout, impl=impl)  # type: ignore[arg-type]
+    assert bits_equal(layers.cpu(), gather_layers_reference([c.cpu() for c in caches], ids.cpu(), layout))
+
+    dst, want = poisoned_like(caches), [poisoned(tuple(c.shape), c.dtype) for c in caches]
+    scatter_blocks(blocks, dst, ids, layout, impl=impl)  # type: ignore[arg-type]
+    scatter_blocks_reference(ref_cpu, want, ids.cpu(), layout)
+    assert all(bits_equal(a.cpu(), b) for a, b in zip(dst, want, strict=True))
+
+    dst = poisoned_like(caches)
+    scatter_layers(layers, dst, ids, layout, impl=impl)  # type: ignore[arg-type]
+    assert all(bits_equal(a.cpu(), b) for a, b in zip(dst, want, strict=True))
+
+    one = poisoned_like(caches[:1])
+    scatter_layers(layers[1:2], one, ids, layout, impl=impl)  # type: ignore[arg-type]
+    scatter_layers_reference(layers[1:2].cpu(), want[:1], ids.cpu(), layout)
+    assert bits_equal(one[0].cpu(), want[0])
+
+
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=[lay.value for lay in ALL_LAYOUTS])
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_repeated_ids(impl: str, layout: KVLayout) -> None:
+    caches = make_caches(layout, torch.float16, (16, 2, 64), seed=1)
+    ids = torch.tensor([3, 5, 3, 3])
+    got = gather_blocks(caches, ids, layout, impl=impl)  # type: ignore[arg-type]
+    assert bits_equal(got, gather_blocks_reference(caches, ids, layout))
+    assert bits_equal(got[0], got[2]) and bits_equal(got[0], got[3])
+    before = [c.clone() for c in caches]
+    for fn, staging in ((scatter_blocks, got), (scatter_layers, got.transpose(0, 1))):
+        with pytest.raises(ValueError, match=r"distinct.*\[3, 5, 3, 3\]"):
+            fn(staging, caches, ids, layout, impl=impl)  # type: ignore[operator]
+    assert all(bits_equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_layer_tensors_in_any_address_order() -> None:
+    """Layers allocated out of address order (the offset table is relative to the lowest address)."""
+    caches = make_caches(KVLayout.FLASH_NHD, torch.bfloat16, (16, 2, 64), seed=2)[::-1]
+    ids = torch.tensor(IDS)
+    ref = gather_blocks_reference(caches, ids, KVLayout.FLASH_NHD)
+    for impl in CPU_IMPLS:
+        assert bits_equal(gather_blocks(caches, ids, KVLayout.FLASH_NHD, impl=impl), ref)  # type: ignore[arg-type]
+
+
+def test_bad_impl_and_mla_heads() -> None:
+    caches = make_caches(KVLayout.MLA, torch.bfloat16, (16, 1, 64))
+    with pytest.raises(ValueError, match=r"impl must be one of .*'fast'"):
+        gather_blocks(caches, torch.tensor([0]), KVLayout.MLA, impl="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="MLA KV must be"):
+        gather_blocks([torch.zeros(2, 16, 1, 64)], torch.tensor([0]), KVLayout.MLA)
+    from ucm.kernels import canonical_block_shape
+
+    with pytest.raises(ValueError, match="num_kv_heads must be 1, got 8"):
+        canonical_block_shape(2, 16, 8, 64, KVLayout.MLA)
+    assert canonical_block_shape(2, 16, 1, 576, KVLayout.MLA) == (2, 16, 576)
+    assert canonical_block_shape(2, 16, 8, 64) == (2, 2, 16, 8, 64)
+
+
+@pytest.mark.parametrize("layout", [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD], ids=["cpu_attn", "flash_nhd"])
+@pytest.mark.parametrize("impl", ["cpu", "torch"])
+def test_cpu_paths_offsets_past_2_31(impl: str, layout: KVLayout) -> None:
+    """One lazily allocated layer whose last block lies past 2**31 bytes (see kv_data.py); bf16 so the numba path
+    takes its word kernels. The interpreter copies whole argument storages, which would commit the 2 GiB."""
+    dtype = torch.bfloat16
+    num_blocks = BIG_NUM_BLOCKS // 2 + 1  # 2 bytes per element: past 2**31 with half the blocks
+    if layout == KVLayout.CPU_ATTN:
+        cache = torch.empty((num_blocks, BIG_HEADS, BIG_BLOCK_SIZE, 2 * BIG_HEAD_DIM), dtype=dtype)
+    else:
+        cache = torch.empty((2, num_blocks, BIG_BLOCK_SIZE, BIG_HEADS, BIG_HEAD_DIM), dtype=dtype)
+    last = num_blocks - 1
+    ids = torch.tensor([last])
+    shard = (1, 1, 2, BIG_BLOCK_SIZE, BIG_HEADS, BIG_HEAD_DIM)
+    one = random_kv(shard, dtype, torch.Generator().manual_seed(3))
+    scatter_blocks(one, [cache], ids, layout, impl=impl)  # type: ignore[arg-type]
+    assert bits_equal(gather_blocks_reference([cache], ids, layout), one)
+    out = poisoned(shard, dtype)
+    assert bits_equal(gather_blocks([cache], ids, layout, out=out, impl=impl), one)  # type: ignore[arg-type]
+    tail = cache[1, last] if layout == KVLayout.FLASH_NHD else cache[last]
+    assert tail.data_ptr() - cache.data_ptr() >= 2**31
+    assert torch.equal(int_view(tail).reshape(-1)[-8:], int_view(one).reshape(-1)[-8:]) or (layout == KVLayout.CPU_ATTN)
+
+
+# -- native CUDA -----------------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [*SHAPES, (128, 8, 128)], ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=[DTYPE_IDS[d] for d in DTYPES])
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=[lay.value for lay in ALL_LAYOUTS])
+def test_cuda_triton_matches_reference(layout: KVLayout, dtype: torch.dtype, shape: tuple) -> None:
+    check_all_ops(make_caches(layout, dtype, shape, device="cuda"), layout, "triton")
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", [KVLayout.FLASH_NHD, KVLayout.CPU_ATTN], ids=["flash_nhd", "cpu_attn"])
+def test_cuda_offsets_past_2_31(layout: KVLayout) -> None:
+    dtype = torch.float8_e4m3fn
+    if layout == KVLayout.CPU_ATTN:
+        cache = torch.zeros((BIG_NUM_BLOCKS, BIG_HEADS, BIG_BLOCK_SIZE, 2 * BIG_HEAD_DIM), dtype=dtype, device="cuda")
+    else:
+        cache = torch.zeros((2, BIG_NUM_BLOCKS, BIG_BLOCK_SIZE, BIG_HEADS, BIG_HEAD_DIM), dtype=dtype, device="cuda")
+    ids = torch.tensor([BIG_NUM_BLOCKS - 1], device="cuda")
+    one = random_kv((1, 1, 2, BIG_BLOCK_SIZE, BIG_HEADS, BIG_HEAD_DIM), dtype, torch.Generator().manual_seed(4))
+    scatter_blocks(one.cuda(), [cache], ids, layout)
+    assert bits_equal(gather_blocks_reference([cache.cpu()], ids.cpu(), layout), one)
+    assert bits_equal(gather_blocks([cache], ids, layout).cpu(), one)
+
+
+# -- lowering for sm_90 without a GPU ---------------------------------------------------------------------------------
+
+KERNEL_CASES = [
+    (lay, dtype, gather) for lay in ALL_LAYOUTS for dtype in ("i16", "u8", "i32") for gather in (True, False)
+]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 replaces @triton.jit")
+@pytest.mark.parametrize(
+    ("layout", "word", "gather"),
+    KERNEL_CASES,
+    ids=[f"{lay.value}-{w}-{'gather' if g else 'scatter'}" for lay, w, g in KERNEL_CASES],
+)
+def test_kernel_compiles_for_sm90(layout: KVLayout, word: str, gather: bool) -> None:
+    """``triton.compile`` down to PTX and cubin (ptxas ships with triton) for an H100/H200 target; the FLASH_NHD
+    and MLA chunk copies must come out as 16-byte vector loads (the LAYER_ALIGN hint at work)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    block_size, heads, dim = (128, 1, 576) if layout == KVLayout.MLA else (128, 8, 128)
+    const = {
+        "NUM_LAYERS": 4,
+        "NUM_PARTS": 1 if layout == KVLayout.MLA else 2,
+        "BLOCK_SIZE": block_size,
+        "NUM_HEADS": heads,
+        "HEAD_DIM": dim,
+        "GATHER": gather,
+        "LAYER_ALIGN": 16,
+        **kernel_meta(layout, block_size, heads, dim),
+    }
+    sig = {
+        "base_ptr": f"*{word}",
+        "layer_offs_ptr": "*i64",
+        "ids_ptr": "*i64",
+        "staging_ptr": f"*{word}",
+        "stride_block": "i64",
+        "stride_layer": "i64",
+        "stride_part": "i64",
+        **dict.fromkeys(const, "constexpr"),
+    }
+    # What a launch with 16-byte aligned tensors and strides divisible by 16 specializes to.
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}
+    src = triton.compiler.ASTSource(fn=_block_copy_kernel, signature=sig, constexprs=const, attrs=aligned)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert {"ttgir", "llir", "ptx", "cubin"} <= set(compiled.asm)
+    if layout != KVLayout.CPU_ATTN:
+        assert "ld.global.v4" in compiled.asm["ptx"]

@@ -1,0 +1,364 @@
+"""The block copy shared by gather/scatter_blocks and gather/scatter_layers: Triton kernel, CPU fast path, torch path.
+
+Gather (paged -> staging) and scatter (staging -> paged) are the same address map walked in opposite directions, so
+each implementation exists once here with a ``gather`` flag; the op modules (``gather_blocks.py``,
+``scatter_blocks.py``, ``gather_layers.py``, ``scatter_layers.py``) hold validation, the dispatcher and the naive
+reference. (One module per op would duplicate every kernel; this is the one place the codebase departs from it.)
+
+The staging side is always handed over as a view ``staging[n, num_layers, *shard]`` whose shard dims are contiguous
+and whose first two strides are free: block-major ``[n, L, ...]`` for blockwise transfers, a transposed
+``[L, n, ...]`` buffer for layerwise ones. ``shard`` is ``[2, block_size, num_kv_heads, head_dim]`` (MLA
+``[block_size, latent_dim]``); every element moves through a same-width integer view, so copies are bit-exact.
+
+Address map of one (block ``b``, layer ``l``) shard, in elements of the KV dtype:
+
+- FLASH_NHD ``[2, num_blocks, bs, H, D]``: part ``p`` (K=0, V=1) is one contiguous run of ``bs*H*D`` elements at
+  ``p*num_blocks*bs*H*D + b*bs*H*D``; MLA ``[num_blocks, bs, D]``: one run of ``bs*D`` at ``b*bs*D``. Both are
+  plain chunk copies.
+- CPU_ATTN: per head ``h`` at ``(b*H + h)*2*bs*D``: K transposed ``[D, bs]``, then V ``[bs, D]``; canonical wants
+  ``[bs, H, D]`` per part, so K is a transpose and V a strided row copy.
+
+Several layer tensors in one launch: the kernels take the lowest-address layer as base pointer and a table of
+per-layer element offsets from it (``layer_offsets``). That is plain pointer arithmetic (no pointer is loaded from
+memory and dereferenced), so the same kernel runs natively and in the Triton interpreter, which cannot dereference
+loaded pointers (the CPU path takes the layer addresses directly). Layers whose byte distance is not a multiple of
+the element size (never seen with torch allocations) fall back to one launch per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views, int_view
+
+Impl = Literal["auto", "triton", "cpu", "torch"]
+IMPLS = ("auto", "triton", "cpu", "torch")
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The implementation ``impl`` names for tensors on ``device``: ``auto`` is Triton on CUDA, the numba CPU path
+    on CPU and the torch path elsewhere. ``triton`` on CPU tensors runs the Triton interpreter.
+
+    Raises:
+        ValueError: ``impl`` is not one of ``IMPLS``, or ``cpu`` for a non-CPU tensor.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    if impl == "auto":
+        return {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
+    if impl == "cpu" and device.type != "cpu":
+        raise ValueError(f"impl='cpu' needs CPU tensors, got device {device}")
+    return impl
+
+
+def copy_blocks(
+    kv_caches: Sequence[torch.Tensor],
+    ids: torch.Tensor,
+    layout: KVLayout,
+    staging: torch.Tensor,
+    gather: bool,
+    impl: str,
+) -> None:
+    """Move every layer's shard of blocks ``ids`` between ``kv_caches`` and ``staging`` (already validated).
+
+    Args:
+        kv_caches: per-layer paged KV tensors (contiguous, same shape/dtype/device).
+        ids: int64 ``[n]`` block ids on the caches' device, in range (distinct when scattering).
+        staging: ``[n, num_layers, *shard]`` view, same dtype and device, shard dims contiguous.
+        gather: True: paged -> staging; False: staging -> paged.
+        impl: a resolved implementation (``triton``, ``cpu`` or ``torch``).
+    """
+    if ids.numel() == 0:
+        return
+    if impl == "triton":
+        _copy_triton(kv_caches, ids, layout, staging, gather)
+    elif impl == "cpu":
+        _copy_cpu(kv_caches, ids, layout, staging, gather)
+    else:
+        _copy_torch(kv_caches, ids, layout, staging, gather)
+
+
+def _geometry(cache: torch.Tensor, layout: KVLayout) -> tuple[int, int, int, int]:
+    """``(num_blocks, block_size, num_kv_heads, head_dim)`` of a validated layer tensor."""
+    if layout == KVLayout.CPU_ATTN:
+        nb, h, bs, two_d = cache.shape
+        return nb, bs, h, two_d // 2
+    if layout == KVLayout.FLASH_NHD:
+        _, nb, bs, h, d = cache.shape
+        return nb, bs, h, d
+    nb, bs, d = cache.shape
+    return nb, bs, 1, d
+
+
+def _layer_offsets(kv_caches: Sequence[torch.Tensor]) -> tuple[int, list[int]] | None:
+    """``(index of the lowest-address layer, element offset of every layer from it)``, or None when a distance is
+    not a whole number of elements."""
+    size = kv_caches[0].element_size()
+    ptrs = [c.data_ptr() for c in kv_caches]
+    low = min(range(len(ptrs)), key=ptrs.__getitem__)
+    deltas = [p - ptrs[low] for p in ptrs]
+    if any(d % size for d in deltas):
+        return None
+    return low, [d // size for d in deltas]
+
+
+# -- torch path: any device -----------------------------------------------------------------------------------------
+
+
+def _copy_torch(
+    kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, layout: KVLayout, staging: torch.Tensor, gather: bool
+) -> None:
+    """One strided copy per layer and part through advanced indexing (gather) or ``index_copy_`` (scatter)."""
+    s = int_view(staging)  # [n, L, *shard]
+    for layer, cache in enumerate(kv_caches):
+        c = int_view(cache)
+        if layout == KVLayout.CPU_ATTN:
+            k, v = cpu_attn_kv_views(c)  # [nb, H, D, bs], [nb, H, bs, D]
+            if gather:
+                s[:, layer, 0].copy_(k[ids].permute(0, 3, 1, 2))  # -> [n, bs, H, D]
+                s[:, layer, 1].copy_(v[ids].permute(0, 2, 1, 3))
+            else:
+                k.index_copy_(0, ids, s[:, layer, 0].permute(0, 2, 3, 1))  # [n, bs, H, D] -> [n, H, D, bs]
+                v.index_copy_(0, ids, s[:, layer, 1].permute(0, 2, 1, 3))  # -> [n, H, bs, D]
+        elif layout == KVLayout.FLASH_NHD:  # [2, nb, bs, H, D]
+            if gather:
+                s[:, layer].copy_(c[:, ids].transpose(0, 1))
+            else:
+                c.index_copy_(1, ids, s[:, layer].transpose(0, 1))
+        else:  # MLA [nb, bs, D]
+            if gather:
+                s[:, layer].copy_(c[ids])
+            else:
+                c.index_copy_(0, ids, s[:, layer])
+
+
+# -- Triton ---------------------------------------------------------------------------------------------------------
+
+_CHUNK, _CPU_ATTN = 0, 1  # values of the LAYOUT constexpr: contiguous chunks (FLASH_NHD, MLA), CPU_ATTN
+
+
+@triton.jit
+def _block_copy_kernel(
+    base_ptr,  # int view of the lowest-address layer; layer l starts at base_ptr + layer_offs[l]
+    layer_offs_ptr,  # [NUM_LAYERS] int64 element offsets, >= 0
+    ids_ptr,  # [n] int64 vLLM block ids
+    staging_ptr,  # int view; shard (i, l) at i*stride_block + l*stride_layer, shard dims contiguous
+    stride_block,  # elements between blocks i and i+1 of staging
+    stride_layer,  # elements between layers l and l+1 of staging
+    stride_part,  # FLASH_NHD: elements between K and V halves of a layer (num_blocks*bs*H*D); else 0
+    NUM_LAYERS: tl.constexpr,
+    NUM_PARTS: tl.constexpr,  # 2 (K, V) or 1 (MLA)
+    LAYOUT: tl.constexpr,  # _CHUNK or _CPU_ATTN
+    BLOCK_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GATHER: tl.constexpr,  # True: paged -> staging; False: staging -> paged
+    TILE: tl.constexpr,  # _CHUNK: elements per program
+    TILE_T: tl.constexpr,  # _CPU_ATTN: tokens per program
+    TILE_D: tl.constexpr,  # _CPU_ATTN: next power of two >= HEAD_DIM
+    LAYER_ALIGN: tl.constexpr,  # every layer offset is a multiple of this (vectorization hint)
+):
+    # Grid: (n * NUM_LAYERS * NUM_PARTS [* NUM_HEADS for CPU_ATTN], tiles of one part). All offsets int64.
+    pid = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1).to(tl.int64)
+    PART: tl.constexpr = BLOCK_SIZE * NUM_HEADS * HEAD_DIM  # elements of one part (K or V) of a shard
+    if LAYOUT == 0:  # FLASH_NHD / MLA: part p of block b is one contiguous run of PART elements
+        i = pid // (NUM_LAYERS * NUM_PARTS)
+        lay = (pid // NUM_PARTS) % NUM_LAYERS
+        p = pid % NUM_PARTS
+        b = tl.load(ids_ptr + i).to(tl.int64)  # the grid covers exactly n blocks
+        o_layer = tl.multiple_of(tl.load(layer_offs_ptr + lay), LAYER_ALIGN)
+        o_t = tile * TILE + tl.arange(0, TILE).to(tl.int64)  # [TILE]
+        m_t = o_t < PART
+        p_paged = base_ptr + o_layer + p * stride_part + b * PART + o_t
+        p_stage = staging_ptr + i * stride_block + lay * stride_layer + p * PART + o_t
+        if GATHER:
+            tl.store(p_stage, tl.load(p_paged, mask=m_t), mask=m_t)
+        else:
+            tl.store(p_paged, tl.load(p_stage, mask=m_t), mask=m_t)
+    else:  # CPU_ATTN: per (block, head): K^T [D, bs] then V [bs, D]; canonical part is [bs, H, D]
+        i = pid // (NUM_LAYERS * NUM_HEADS * 2)
+        lay = (pid // (NUM_HEADS * 2)) % NUM_LAYERS
+        h = (pid // 2) % NUM_HEADS
+        p = pid % 2
+        b = tl.load(ids_ptr + i).to(tl.int64)
+        o_layer = tl.multiple_of(tl.load(layer_offs_ptr + lay), LAYER_ALIGN)
+        o_tok = tile * TILE_T + tl.arange(0, TILE_T).to(tl.int64)[:, None]  # [TILE_T, 1]
+        o_dim = tl.arange(0, TILE_D).to(tl.int64)[None, :]  # [1, TILE_D]
+        m_td = (o_tok < BLOCK_SIZE) & (o_dim < HEAD_DIM)  # [TILE_T, TILE_D]
+        p_head = base_ptr + o_layer + (b * NUM_HEADS + h) * (2 * BLOCK_SIZE * HEAD_DIM)
+        # [TILE_T, TILE_D] canonical addresses: row t of part p, columns of head h
+        p_stage = (
+            staging_ptr
+            + i * stride_block
+            + lay * stride_layer
+            + p * PART
+            + o_tok * (NUM_HEADS * HEAD_DIM)
+            + h * HEAD_DIM
+            + o_dim
+        )
+        if p == 0:
+            p_k = p_head + o_dim * BLOCK_SIZE + o_tok  # K^T: [TILE_T, TILE_D] addresses, stride 1 along tokens
+            if GATHER:
+                tl.store(p_stage, tl.load(p_k, mask=m_td), mask=m_td)
+            else:
+                tl.store(p_k, tl.load(p_stage, mask=m_td), mask=m_td)
+        else:
+            p_v = p_head + BLOCK_SIZE * HEAD_DIM + o_tok * HEAD_DIM + o_dim  # V: rows of HEAD_DIM
+            if GATHER:
+                tl.store(p_stage, tl.load(p_v, mask=m_td), mask=m_td)
+            else:
+                tl.store(p_v, tl.load(p_stage, mask=m_td), mask=m_td)
+
+
+@functools.cache
+def _interpreted(fn: Any) -> Any:
+    """The Triton interpreter's version of a ``@triton.jit`` kernel, for CPU tensors (what ``TRITON_INTERPRET=1``
+    makes of every kernel at import; built here so CPU and CUDA tensors can use one process)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return fn if isinstance(fn, InterpretedFunction) else InterpretedFunction(fn.fn)
+
+
+def kernel_meta(layout: KVLayout, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, int]:
+    """The tile constexprs of ``_block_copy_kernel`` for one shape (one config, no autotuning)."""
+    part = block_size * num_kv_heads * head_dim
+    tile_d = triton.next_power_of_2(head_dim)
+    return {
+        "LAYOUT": _CPU_ATTN if layout == KVLayout.CPU_ATTN else _CHUNK,
+        "TILE": min(4096, triton.next_power_of_2(part)),
+        "TILE_T": min(triton.next_power_of_2(block_size), max(1, 4096 // tile_d)),
+        "TILE_D": tile_d,
+    }
+
+
+def _copy_triton(
+    kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, layout: KVLayout, staging: torch.Tensor, gather: bool
+) -> None:
+    """Launch ``_block_copy_kernel`` once for all layers (per layer if the offset table cannot express them)."""
+    table = _layer_offsets(kv_caches)
+    if table is None:
+        for layer, cache in enumerate(kv_caches):
+            _copy_triton([cache], ids, layout, staging[:, layer : layer + 1], gather)
+        return
+    low, offsets = table
+    base = int_view(kv_caches[low])
+    num_blocks, block_size, num_kv_heads, head_dim = _geometry(base, layout)
+    meta = kernel_meta(layout, block_size, num_kv_heads, head_dim)
+    parts = 1 if layout == KVLayout.MLA else 2
+    num_layers, n = len(kv_caches), ids.numel()
+    part = block_size * num_kv_heads * head_dim
+    if layout == KVLayout.CPU_ATTN:
+        grid = (n * num_layers * num_kv_heads * 2, triton.cdiv(block_size, meta["TILE_T"]))
+    else:
+        grid = (n * num_layers * parts, triton.cdiv(part, meta["TILE"]))
+    if grid[0] >= 2**31 or grid[1] >= 2**16:
+        raise ValueError(f"transfer too large for one launch (grid {grid}); split block_ids")
+    align = 16 if all(o % 16 == 0 for o in offsets) else 1
+    kernel = _interpreted(_block_copy_kernel) if base.device.type == "cpu" else _block_copy_kernel
+    kernel[grid](
+        base,
+        torch.tensor(offsets, dtype=torch.int64, device=base.device),
+        ids,
+        int_view(staging),
+        staging.stride(0),
+        staging.stride(1),
+        num_blocks * part if layout == KVLayout.FLASH_NHD else 0,
+        NUM_LAYERS=num_layers,
+        NUM_PARTS=parts,
+        BLOCK_SIZE=block_size,
+        NUM_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        GATHER=gather,
+        LAYER_ALIGN=align,
+        **meta,
+    )
+
+
+# -- CPU fast path: numba -------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _numba_kernels() -> Any:
+    """Compile-on-first-use numba kernels (numba is imported only when the CPU path first runs)."""
+    from ucm.kernels import _numba_copy
+
+    return _numba_copy
+
+
+def _copy_cpu(
+    kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, layout: KVLayout, staging: torch.Tensor, gather: bool
+) -> None:
+    """CPU fast path. FLASH_NHD / MLA: one ``memmove`` per contiguous run. CPU_ATTN: single-threaded numba kernels
+    (see ``_numba_copy``); 2-byte dtypes in 8-byte words with 4x4 tile transposes for K, element loops otherwise."""
+    num_blocks, block_size, num_kv_heads, head_dim = _geometry(kv_caches[0], layout)
+    esize = kv_caches[0].element_size()
+    addrs = [c.data_ptr() for c in kv_caches]
+    part = block_size * num_kv_heads * head_dim
+    if layout != KVLayout.CPU_ATTN:
+        _copy_chunks_memmove(addrs, ids.tolist(), staging, layout, num_blocks * part, part, esize, gather)
+        return
+    import numpy as np
+
+    nk = _numba_kernels()
+    s0, s1 = staging.stride(0), staging.stride(1)
+    # Elements from staging[0, 0] to one past its last element.
+    span = 1 + sum((d - 1) * st for d, st in zip(staging.shape, staging.stride(), strict=True))
+    words = (
+        esize == 2
+        and block_size % 4 == 0
+        and head_dim % 4 == 0
+        and all(x * esize % 8 == 0 for x in (s0, s1, span))
+        and all(a % 8 == 0 for a in [*addrs, staging.data_ptr()])
+    )
+    w = 4 if words else 1  # elements per word
+    word = np.dtype(np.uint64) if words else np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[esize])
+    fn = nk.cpu_attn_words if words else nk.cpu_attn_elements
+    fn(
+        np.array(addrs, dtype=np.int64),
+        kv_caches[0].numel() // w,
+        staging.data_ptr(),
+        span // w,
+        np.empty(0, dtype=word),
+        ids.numpy(),
+        s0 // w,
+        s1 // w,
+        num_kv_heads,
+        head_dim // w,
+        block_size // w,
+        gather,
+    )
+
+
+def _copy_chunks_memmove(
+    addrs: list[int],
+    ids: list[int],
+    staging: torch.Tensor,
+    layout: KVLayout,
+    stride_part: int,
+    part: int,
+    esize: int,
+    gather: bool,
+) -> None:
+    """FLASH_NHD / MLA on CPU: every (block, layer, part) is one contiguous run on both sides, so each is one
+    ``memmove`` (libc's copy, ~2x the numba word loop, which LLVM does not vectorize across two raw pointers)."""
+    import ctypes
+
+    parts = 1 if layout == KVLayout.MLA else 2
+    nbytes = part * esize
+    base, s0, s1 = staging.data_ptr(), staging.stride(0) * esize, staging.stride(1) * esize
+    for i, b in enumerate(ids):
+        for layer, addr in enumerate(addrs):
+            for p in range(parts):
+                paged = addr + (p * stride_part + b * part) * esize
+                stage = base + i * s0 + layer * s1 + p * nbytes
+                if gather:
+                    ctypes.memmove(stage, paged, nbytes)
+                else:
+                    ctypes.memmove(paged, stage, nbytes)
