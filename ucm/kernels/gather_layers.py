@@ -46,7 +46,7 @@ def gather_layers(
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_paged_caches(kv_caches, layout)
     device = kv_caches[0].device
-    which = resolve_impl(impl, device)
+    which = resolve_impl(impl, device, layout)
     ids = check_block_ids(block_ids, num_blocks).to(device)
     shard = canonical_shard_shape(block_size, num_kv_heads, head_dim, layout)
     out = alloc_or_check_out(out, (len(kv_caches), ids.numel(), *shard), kv_caches[0])

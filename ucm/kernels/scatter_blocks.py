@@ -90,7 +90,7 @@ def scatter_blocks(
             is written when an error is raised.
     """
     ids, _ = check_scatter(blocks, kv_caches, layout, block_ids, layer_major=False, name="blocks")
-    which = resolve_impl(impl, kv_caches[0].device)
+    which = resolve_impl(impl, kv_caches[0].device, layout)
     src = blocks if _shard_contiguous(blocks) else blocks.contiguous()
     copy_blocks(kv_caches, ids, layout, src, gather=False, impl=which)
 

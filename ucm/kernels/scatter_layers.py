@@ -42,7 +42,7 @@ def scatter_layers(
             is written when an error is raised.
     """
     ids, _ = check_scatter(shards, kv_caches, layout, block_ids, layer_major=True, name="shards")
-    which = resolve_impl(impl, kv_caches[0].device)
+    which = resolve_impl(impl, kv_caches[0].device, layout)
     src = (
         shards if shards.shape[0] == 0 or shards.shape[1] == 0 or shards[0, 0].is_contiguous() else shards.contiguous()
     )
