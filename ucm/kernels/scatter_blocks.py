@@ -59,7 +59,7 @@ def check_scatter(
     return ids.to(ref.device), shape
 
 
-def _shard_contiguous(t: torch.Tensor) -> bool:
+def shard_contiguous(t: torch.Tensor) -> bool:
     """The dims after the first two are C-contiguous (first two strides are free)."""
     return t[0, 0].is_contiguous() if t.shape[0] and t.shape[1] else True
 
@@ -91,7 +91,7 @@ def scatter_blocks(
     """
     ids, _ = check_scatter(blocks, kv_caches, layout, block_ids, layer_major=False, name="blocks")
     which = resolve_impl(impl, kv_caches[0].device, layout)
-    src = blocks if _shard_contiguous(blocks) else blocks.contiguous()
+    src = blocks if shard_contiguous(blocks) else blocks.contiguous()
     copy_blocks(kv_caches, ids, layout, src, gather=False, impl=which)
 
 

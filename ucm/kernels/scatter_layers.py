@@ -14,7 +14,7 @@ import torch
 
 from ucm.kernels._block_copy import Impl, copy_blocks, resolve_impl
 from ucm.kernels.layouts import KVLayout
-from ucm.kernels.scatter_blocks import check_scatter, scatter_blocks_reference
+from ucm.kernels.scatter_blocks import check_scatter, scatter_blocks_reference, shard_contiguous
 
 
 def scatter_layers(
@@ -43,9 +43,7 @@ def scatter_layers(
     """
     ids, _ = check_scatter(shards, kv_caches, layout, block_ids, layer_major=True, name="shards")
     which = resolve_impl(impl, kv_caches[0].device, layout)
-    src = (
-        shards if shards.shape[0] == 0 or shards.shape[1] == 0 or shards[0, 0].is_contiguous() else shards.contiguous()
-    )
+    src = shards if shard_contiguous(shards) else shards.contiguous()
     copy_blocks(kv_caches, ids, layout, src.transpose(0, 1), gather=False, impl=which)
 
 
