@@ -14,7 +14,7 @@ import cbor2
 import numpy as np
 import pytest
 
-from ucm.hashing import CANONICAL_FORMAT_VERSION, KEY_NBYTES, KVNamespace, block_keys, request_seed
+from ucm.hashing import CANONICAL_FORMAT_VERSION, KEY_NBYTES, KVNamespace, block_keys, rank_keys, request_seed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZES = [1, 3, 16]
@@ -305,3 +305,14 @@ def test_same_keys_in_another_process(hash_seed: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == golden_keys_hex() == GOLDEN_KEYS_HEX
+
+
+def test_rank_keys_one_rank_is_identity_and_ranks_differ() -> None:
+    """With TP each rank stores its shard under its own key; the scheduler checks rank 0's."""
+    keys = [bytes([i]) * 16 for i in range(3)]
+    assert rank_keys(keys, 0, 1) == keys
+    r0, r1 = rank_keys(keys, 0, 2), rank_keys(keys, 1, 2)
+    assert len({*r0, *r1, *keys}) == 9 and all(len(k) == 16 for k in r0 + r1)
+    assert rank_keys(keys, 1, 2) == r1  # deterministic
+    with pytest.raises(ValueError, match="tp_rank"):
+        rank_keys(keys, 2, 2)

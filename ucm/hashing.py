@@ -128,3 +128,18 @@ def block_keys(
         parent = _digest(parent, extras, raw[i * row : (i + 1) * row])
         keys.append(parent)
     return keys
+
+
+def rank_keys(keys: Sequence[bytes], tp_rank: int, tp_size: int) -> list[bytes]:
+    """Keys of one tensor-parallel rank's shards: the request keys themselves with one rank, else
+    ``BLAKE2b-128(key || rank as u32 little-endian)``, so each rank's shard of a block is stored under its own key.
+
+    Raises:
+        ValueError: ``tp_rank`` is not in ``[0, tp_size)``.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    if tp_size == 1:
+        return list(keys)
+    suffix = tp_rank.to_bytes(4, "little")
+    return [_digest(k, suffix) for k in keys]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ucm.config import UcmConfig
-from ucm.hashing import block_keys, request_seed
+from ucm.hashing import block_keys, rank_keys, request_seed
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.logger import init_logger
@@ -56,6 +56,7 @@ class UCMScheduler:
         store: the store pipeline (lookups only).
         load: whether this role loads (kv_both, kv_consumer).
         dump: whether this role dumps (kv_both, kv_producer).
+        tp_size: tensor-parallel size of the engine.
     """
 
     def __init__(
@@ -67,12 +68,14 @@ class UCMScheduler:
         *,
         load: bool,
         dump: bool,
+        tp_size: int = 1,
     ) -> None:
         self._block_size = spec.block_size
         self._namespace = namespace_digest
         self._store = store
         self._load = load
         self._dump = dump
+        self._tp_size = tp_size
         self._requests: dict[str, _RequestState] = {}
         # Keys the workers reported as stored (their DRAM tier is invisible from this process), most recent last.
         # Bounded: older keys have been written back to storage by the time they fall out.
@@ -90,15 +93,16 @@ class UCMScheduler:
 
     def add_stored_keys(self, keys: Sequence[bytes]) -> None:
         """Record keys the workers stored this step (from ``UCMWorkerMetadata``)."""
-        for key in keys:
+        for key in rank_keys(keys, 0, self._tp_size):
             self._recent[key] = None
             self._recent.move_to_end(key)
         while len(self._recent) > self._recent_capacity:
             self._recent.popitem(last=False)
 
     def _lookup(self, keys: list[bytes]) -> int:
-        """Leading keys present: reported by the workers, or found by the store."""
-        return tiered_lookup(keys, self._recent.__contains__, self._store)
+        """Leading keys present: reported by the workers, or found by the store. With tensor parallelism each rank
+        stores its shard under its own key; rank 0's stand for all (ranks dump the same blocks in the same step)."""
+        return tiered_lookup(rank_keys(keys, 0, self._tp_size), self._recent.__contains__, self._store)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (vLLM's HBM hit) that the store can supply; loads are synchronous.

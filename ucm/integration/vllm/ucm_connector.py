@@ -88,7 +88,15 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_load_failure_policy = "recompute"
                 logger.info("kv_load_failure_policy set to 'recompute': a block that fails to load is recomputed")
             ns = namespace(vllm_config, self._spec, tp_rank=0)
-            self._scheduler = UCMScheduler(self._ucm_config, self._spec, ns.digest(), self._store, load=load, dump=dump)
+            self._scheduler = UCMScheduler(
+                self._ucm_config,
+                self._spec,
+                ns.digest(),
+                self._store,
+                load=load,
+                dump=dump,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

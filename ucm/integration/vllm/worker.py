@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ucm.hashing import KEY_NBYTES
+from ucm.hashing import rank_keys
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks
@@ -24,15 +24,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 logger = init_logger(__name__)
-
-
-def rank_keys(keys: list[bytes], tp_rank: int, tp_size: int) -> list[bytes]:
-    """Per-rank keys: unchanged with one rank; otherwise each rank's shard gets its own key."""
-    if tp_size == 1:
-        return keys
-    import hashlib
-
-    return [hashlib.blake2b(k + tp_rank.to_bytes(4, "little"), digest_size=KEY_NBYTES).digest() for k in keys]
 
 
 class UCMWorker:
