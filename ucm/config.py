@@ -232,7 +232,10 @@ def load_config_file(path: str | os.PathLike[str]) -> UcmConfig:
     try:
         text = p.read_text()
     except OSError as err:
-        raise UcmConfigError(f"cannot read UCM config file {str(p)!r} ({CONFIG_FILE_KEY}): {err.strerror}") from None
+        where = "" if p.is_absolute() else f", relative to the working directory {os.getcwd()!r}"
+        raise UcmConfigError(
+            f"cannot read UCM config file {str(p)!r} ({CONFIG_FILE_KEY}{where}): {err.strerror}"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

@@ -6,12 +6,31 @@ vLLM's scheduler-side lookups see the DRAM cache that the worker in the same pro
 
 from __future__ import annotations
 
+import os
 import threading
 
 from ucm.config import SUPPORTED_PIPELINES, UcmPipelineStoreConfig
+from ucm.logger import init_logger
 from ucm.store.base import UcmKVStoreBase
 from ucm.store.cache import CacheStore
 from ucm.store.posix import PosixStore
+
+logger = init_logger(__name__)
+
+
+def _warn_if_larger_than_memory(capacity_bytes: int) -> None:
+    """Warn when the DRAM cache may grow beyond the machine's memory (it fills lazily, so start-up succeeds)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: nothing to compare with
+        return
+    if capacity_bytes > total:
+        logger.warning(
+            "cache_buffer_capacity_gb=%.1f is more than this machine's memory (%.1f GiB); the DRAM cache fills "
+            "as blocks arrive and may run the process out of memory",
+            capacity_bytes / 2**30,
+            total / 2**30,
+        )
 
 
 def build_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
@@ -28,6 +47,7 @@ def build_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
         if stage == "Posix":
             store = PosixStore(config.storage_dirs, io_threads=config.posix_io_threads)
         elif stage == "Cache":
+            _warn_if_larger_than_memory(config.cache_buffer_capacity_bytes)
             store = CacheStore(store, config.cache_buffer_capacity_bytes)
         else:  # pragma: no cover - refused by the schema
             raise ValueError(f"unknown store stage {stage!r}; allowed: Cache, Posix")
