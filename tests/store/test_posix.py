@@ -162,6 +162,14 @@ def test_damaged_file_is_a_failed_key(store: PosixStore, damage, ucm_log) -> Non
     assert torch.equal(dst[0], src[0]) and torch.equal(dst[2], src[2])
     warnings = [r for r in ucm_log.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+    # Damage is removed so the block can be stored again; a header that may be another UCM version's is kept.
+    kept = damage in (DAMAGES["flip_version"], DAMAGES["flip_codec"], DAMAGES["flip_nbytes"])
+    assert path.exists() == kept
+    if not kept:
+        assert store.lookup(keys) == 1
+        assert store.wait(store.dump(keys, src)).ok  # the recomputed block is stored again
+        dst = poisoned(3, 257)
+        assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
 
 
 def test_wrong_key_file_is_a_failed_key(store: PosixStore) -> None:
@@ -179,9 +187,12 @@ def test_wrong_key_file_is_a_failed_key(store: PosixStore) -> None:
 
 def test_wrong_block_size_is_a_failed_key(store: PosixStore) -> None:
     keys = make_keys(1, seed=13)
-    assert store.wait(store.dump(keys, make_blocks(1, 100, seed=14))).ok
+    src = make_blocks(1, 100, seed=14)
+    assert store.wait(store.dump(keys, src)).ok
     assert store.wait(store.load(keys, poisoned(1, 101))).failed == {0}
     assert store.wait(store.load(keys, poisoned(1, 99))).failed == {0}
+    dst = poisoned(1, 100)  # a caller's size mismatch did not destroy the block
+    assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
 
 
 def test_missing_file_logs_at_debug_only(store: PosixStore, ucm_log) -> None:

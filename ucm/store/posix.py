@@ -26,7 +26,10 @@ name (``os.replace``), so ``lookup`` never sees a half-written block. Files are 
 power loss fails the size or checksum check on ``load`` and is reported as a miss, never as data.
 
 ``load`` validates magic, version, codec, payload size, key, exact file size (no trailing bytes) and checksum
-before reporting a block as loaded; anything else is a failed key (a cache miss for the caller).
+before reporting a block as loaded; anything else is a failed key (a cache miss for the caller). A damaged file is
+removed, so the block is recomputed and stored again instead of failing every later load; a file of another format
+version, codec or block size (another UCM version sharing the directory, or a caller's size mismatch) is left in
+place.
 """
 
 from __future__ import annotations
@@ -267,6 +270,7 @@ class PosixStore(UcmKVStoreBase):
         try:
             with open(path, "rb", buffering=0) as f:
                 reason = _read_validated(f, key, payload)
+                stat = os.fstat(f.fileno()) if reason is not None else None
         except FileNotFoundError:
             logger.debug("posix store: block %s not found at %s", key.hex(), path)
             return False
@@ -274,9 +278,38 @@ class PosixStore(UcmKVStoreBase):
             logger.warning("posix store: cannot read block file %s: %s; treating as a miss", path, exc)
             return False
         if reason is not None:
-            logger.warning("posix store: damaged block file %s: %s; treating as a miss", path, reason)
+            assert stat is not None
+            kept = reason.startswith(_FOREIGN)
+            if not kept:
+                _remove_if_unchanged(path, stat)
+            logger.warning(
+                "posix store: damaged block file %s: %s; treating as a miss%s",
+                path,
+                reason,
+                " (file kept: another format, codec or block size)" if kept else " and removed it",
+            )
             return False
         return True
+
+
+# Reasons that may mean "another UCM version's block" or a caller's size mismatch rather than damage: such files are
+# left in place.
+_FOREIGN = "foreign: "
+
+
+def _remove_if_unchanged(path: str, stat: os.stat_result) -> None:
+    """Remove the damaged file at ``path`` if it is still the file that was read (a writer may have replaced it
+    with a good block meanwhile; the check narrows, but cannot close, that window: at worst a good block is lost,
+    which is a miss, never wrong data). Errors are ignored: the block is a miss either way."""
+    with contextlib.suppress(OSError):
+        now = os.stat(path)
+        if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) == (
+            stat.st_dev,
+            stat.st_ino,
+            stat.st_size,
+            stat.st_mtime_ns,
+        ):
+            os.unlink(path)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -310,11 +343,11 @@ def _read_validated(f: io.FileIO, key: bytes, payload: memoryview) -> str | None
     if magic != MAGIC:
         return f"bad magic {magic!r}, expected {MAGIC!r}"
     if version != FORMAT_VERSION:
-        return f"format version {version}, expected {FORMAT_VERSION}"
+        return f"{_FOREIGN}format version {version}, expected {FORMAT_VERSION}"
     if codec != CODEC_RAW:
-        return f"codec {codec}, expected {CODEC_RAW} (raw)"
-    if nbytes != payload.nbytes:
-        return f"payload is {nbytes} bytes, expected {payload.nbytes}"
+        return f"{_FOREIGN}codec {codec}, expected {CODEC_RAW} (raw)"
+    if nbytes != payload.nbytes:  # a caller's size mismatch must not destroy a block: keep the file
+        return f"{_FOREIGN}payload is {nbytes} bytes, expected {payload.nbytes}"
     if file_key != key:
         return f"file holds key {file_key.hex()}, expected {key.hex()}"
     size = os.fstat(f.fileno()).st_size
