@@ -191,3 +191,18 @@ def test_same_process_repeat_is_served_from_dram(tiny_model, prompts, tmp_path):
     assert [(r.hit_hbm, r.hit_external) for r in results] == [(0, 0), (0, 4)]
     assert failed_loads(stderr) == 0
     assert_same_output(results[1], results[0])
+
+
+def test_chunked_prefill_dumps_every_block_and_restart_hits(tiny_model, prompts, tmp_path):
+    """A prompt prefilled in 256-token chunks: blocks become full over several steps (the request's later block ids
+    arrive as a running request's new blocks). Every full block is dumped once, and a restart loads them all."""
+    store = tmp_path / "store"
+    chunked = _spec(tiny_model, store, [{"prompt": prompts["p2"]}])
+    chunked["engine_args"] = {"max_num_batched_tokens": 256}
+    cold, _ = run_engine(chunked)
+    assert cold[0].hit_external == 0
+    assert len(list(store.rglob("*.ucmb"))) == 6
+    warm, stderr = run_engine(_spec(tiny_model, store, [{"prompt": prompts["p2"]}]))
+    assert (warm[0].total_blocks, warm[0].hit_external) == (6, 6)
+    assert failed_loads(stderr) == 0
+    assert_same_output(warm[0], cold[0])

@@ -9,6 +9,7 @@ Spec (a dict, JSON-serializable)::
 
     {"model": "/path", "dtype": "bfloat16", "max_model_len": 4096, "kvcache_gib": 1,
      "enable_prefix_caching": true,
+     "engine_args": {"max_num_batched_tokens": 256},   # optional: more LLM(...) keyword arguments
      "connector": null | {"kv_connector": "UCMConnector", ...}   # vLLM's kv_transfer_config as a dict
      "requests": [{"prompt": "...", "max_tokens": 16, "cache_salt": null, "reset_prefix_cache": false}, ...],
      "reset_prefix_cache": false}       # reset vLLM's own prefix cache before every request
@@ -123,7 +124,7 @@ def run_engine(
 def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(spec.get("engine_args", {}))
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = spec["connector"]
     llm = LLM(
