@@ -1,0 +1,471 @@
+"""Operator CLI for a Posix store: ``python -m ucm.store {stats,verify,gc,clear}``.
+
+The store is named by ``--storage-backends DIR[:DIR...]`` or by ``--config ucm_config.yaml`` (its
+``storage_backends``; relative paths are taken relative to the working directory, as UCM itself does). Every
+command walks the directories recursively and sorts what it finds by name (see :mod:`ucm.store.posix`):
+
+- block files: ``*.ucmb`` not starting with ``.``;
+- temp files: ``.*.tmp``, a dump in progress or left behind by a killed writer; a temp file is *stale* when its
+  mtime is older than ``--tmp-age-s`` (default 3600 s); only stale temps are ever removed;
+- anything else is counted by ``stats`` and never touched.
+
+Commands:
+
+- ``stats``: block files, their bytes, temp files, and blocks grouped by payload size (file size minus the
+  44-byte header; keys are opaque digests, so the payload size is the only hint of which model wrote a block).
+- ``verify``: reads every block file and validates it as ``load`` does (header, key = the file name, exact size,
+  xxh3 checksum). Damaged files are listed; ``--remove`` deletes them. Files of another format version, codec or
+  block size are reported as *foreign* and kept (another UCM version may share the directory). Exit status 1 if
+  a file is damaged or unreadable.
+- ``gc --target-gb X``: deletes the least recently used block files until the block files total at most X GiB
+  (2**30 bytes, counted as file sizes), and removes stale temps.
+- ``clear --yes``: deletes every block file and every stale temp.
+
+Last use of a block is ``max(atime, mtime)``: a block file is never modified after its rename, so its mtime is its
+write time, and its atime is its last read where the filesystem records reads. On ``noatime`` mounts the atime is
+not updated and this falls back to the write time; on ``relatime`` (Linux's default) an atime is updated at most
+once a day, so LRU order is exact only to about a day. ``verify`` opens files with ``O_NOATIME`` (or restores the
+atime afterwards) so that a verify pass does not make every block look recently used.
+
+Safe to run while vLLM uses the store: a block deleted under a reader is a miss for later loads, never wrong data;
+shard directories are never removed (a writer may be about to create its temp file there). Exit status: 0 done,
+1 damaged files found or a deletion failed, 2 bad arguments, a missing directory or an invalid config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from ucm.config import GIB, UcmConfigError, load_config_file
+from ucm.store.posix import (
+    _FOREIGN,
+    CODEC_RAW,
+    FILE_SUFFIX,
+    FORMAT_VERSION,
+    HEADER,
+    HEADER_NBYTES,
+    MAGIC,
+    TMP_SUFFIX,
+    _read_validated,
+    _remove_if_unchanged,
+)
+
+DEFAULT_TMP_AGE_S = 3600.0
+KEY_NBYTES = 16
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class StoreLocationError(ValueError):
+    """The store's directories cannot be determined or one is missing / not a directory (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One file found in the store: absolute path, size in bytes, last use and mtime in ns since the epoch."""
+
+    path: str
+    size: int
+    last_used_ns: int
+    mtime_ns: int
+
+
+@dataclass
+class StoreScan:
+    """What :func:`scan_store` found, sorted by kind (see the module docstring)."""
+
+    dirs: list[str]
+    blocks: list[FileInfo] = field(default_factory=list)
+    temps: list[FileInfo] = field(default_factory=list)
+    others: list[FileInfo] = field(default_factory=list)
+
+    @property
+    def block_bytes(self) -> int:
+        """Total size of the block files in bytes."""
+        return sum(f.size for f in self.blocks)
+
+    def stale_temps(self, tmp_age_s: float, now_ns: int | None = None) -> list[FileInfo]:
+        """Temp files whose mtime is more than ``tmp_age_s`` seconds before ``now_ns`` (default: now)."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        limit = now_ns - int(tmp_age_s * 1e9)
+        return [f for f in self.temps if f.mtime_ns < limit]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A block file that failed verification. ``kind``: ``damaged``, ``foreign`` (kept) or ``unreadable``."""
+
+    path: str
+    kind: str
+    reason: str
+    removed: bool = False
+
+
+def _progress(items: Sequence[Any], desc: str, unit: str = "file") -> Iterator[Any]:
+    """Iterate ``items`` with a tqdm bar on stderr, shown only when stderr is a terminal."""
+    yield from tqdm(items, desc=desc, unit=unit, disable=not sys.stderr.isatty(), leave=False)
+
+
+def resolve_dirs(storage_backends: str | None, config: str | None) -> list[str]:
+    """The store's directories (absolute paths, in placement order) from ``--storage-backends`` or ``--config``.
+
+    Raises:
+        StoreLocationError: neither or both are given, the config is invalid, or a directory is missing or is not
+            a directory (the message names it).
+    """
+    if (storage_backends is None) == (config is None):
+        raise StoreLocationError(
+            "name the store with exactly one of --storage-backends DIR[:DIR...] or --config ucm_config.yaml"
+        )
+    if config is not None:
+        try:
+            storage_backends = load_config_file(config).store.storage_backends
+        except UcmConfigError as err:
+            raise StoreLocationError(str(err)) from None
+    assert storage_backends is not None
+    parts = storage_backends.split(":")
+    if any(not p.strip() for p in parts):
+        raise StoreLocationError(
+            f"storage_backends {storage_backends!r} has an empty entry; give one path or several joined by ':'"
+        )
+    dirs = [os.path.abspath(p) for p in parts]
+    for d in dirs:
+        if not os.path.exists(d):
+            raise StoreLocationError(f"storage directory {d!r} does not exist")
+        if not os.path.isdir(d):
+            raise StoreLocationError(f"storage path {d!r} exists but is not a directory")
+    return dirs
+
+
+def _walk_files(root: str) -> Iterator[os.DirEntry[str]]:
+    """Regular files under ``root``, recursively; symlinks are neither followed nor listed."""
+    stack = [root]
+    while stack:
+        with contextlib.suppress(FileNotFoundError), os.scandir(stack.pop()) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    yield entry
+
+
+def scan_store(dirs: Sequence[str]) -> StoreScan:
+    """List the block, temp and other files under ``dirs`` with their sizes and times (reads no file data).
+
+    A file that disappears during the scan (a concurrent gc or rename) is skipped.
+
+    Raises:
+        OSError: a directory cannot be listed (permissions).
+    """
+    scan = StoreScan(dirs=list(dirs))
+    for d in dirs:
+        for entry in _walk_files(d):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            info = FileInfo(entry.path, st.st_size, max(st.st_atime_ns, st.st_mtime_ns), st.st_mtime_ns)
+            name = entry.name
+            if name.endswith(FILE_SUFFIX) and not name.startswith("."):
+                scan.blocks.append(info)
+            elif name.endswith(TMP_SUFFIX) and name.startswith("."):
+                scan.temps.append(info)
+            else:
+                scan.others.append(info)
+    return scan
+
+
+def store_stats(scan: StoreScan) -> dict[str, Any]:
+    """Summary of a scan as a JSON-ready dict (sizes in bytes; ``by_payload_size`` largest group first)."""
+    groups: dict[int, list[int]] = {}
+    for f in scan.blocks:
+        g = groups.setdefault(max(f.size - HEADER_NBYTES, 0), [0, 0])
+        g[0] += 1
+        g[1] += f.size
+    by_size = [
+        {"payload_nbytes": size, "block_files": n, "bytes": nbytes}
+        for size, (n, nbytes) in sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))
+    ]
+    return {
+        "dirs": scan.dirs,
+        "block_files": len(scan.blocks),
+        "block_bytes": scan.block_bytes,
+        "tmp_files": len(scan.temps),
+        "tmp_bytes": sum(f.size for f in scan.temps),
+        "other_files": len(scan.others),
+        "by_payload_size": by_size,
+    }
+
+
+def _open_noatime(path: str) -> int:
+    """Open ``path`` read-only without updating its atime where allowed (``O_NOATIME`` needs file ownership)."""
+    noatime = getattr(os, "O_NOATIME", 0)
+    if noatime:
+        try:
+            return os.open(path, os.O_RDONLY | noatime)
+        except PermissionError:
+            pass
+    return os.open(path, os.O_RDONLY)
+
+
+def verify_file(path: str) -> tuple[str | None, os.stat_result]:
+    """Validate the block file at ``path``; return ``(reason, stat)``, ``reason`` None when the file is valid.
+
+    The key is the file name's hex. A reason starting with ``"foreign: "`` means another format version, codec or
+    block size (not damage). The file's atime is left as it was where the filesystem allows.
+
+    Raises:
+        OSError: the file cannot be opened or read (including FileNotFoundError when it vanished).
+    """
+    hexkey = os.path.basename(path)[: -len(FILE_SUFFIX)]
+    fd = _open_noatime(path)
+    with open(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        try:
+            key = bytes.fromhex(hexkey)
+        except ValueError:
+            key = b""
+        if len(key) != KEY_NBYTES:
+            return f"file name {os.path.basename(path)!r} is not a {KEY_NBYTES}-byte hex key", st
+        head = os.pread(fd, HEADER_NBYTES, 0)
+        payload_nbytes = 0
+        if len(head) == HEADER_NBYTES:
+            magic, version, codec, _reserved, nbytes, _key, _checksum = HEADER.unpack(head)
+            if (magic, version, codec) == (MAGIC, FORMAT_VERSION, CODEC_RAW):
+                if nbytes > st.st_size - HEADER_NBYTES:
+                    # Truncated (or a size flipped in the header): do not allocate what the header claims.
+                    return f"file is {st.st_size} bytes, expected {HEADER_NBYTES + nbytes}", st
+                payload_nbytes = nbytes
+        # Other headers get an empty buffer: _read_validated rejects them (bad magic, foreign) before the size.
+        reason = _read_validated(f, key, memoryview(bytearray(payload_nbytes)))
+        after = os.fstat(fd)
+        if after.st_atime_ns != st.st_atime_ns:  # O_NOATIME was refused: put the atime back (best effort)
+            with contextlib.suppress(OSError):
+                os.utime(fd, ns=(st.st_atime_ns, after.st_mtime_ns))
+    return reason, st
+
+
+def verify_store(scan: StoreScan, remove: bool) -> list[Finding]:
+    """Validate every block file of ``scan``; return the files that are not valid, in scan order.
+
+    With ``remove``, damaged files are deleted (if unchanged since they were read); foreign and unreadable files
+    are kept. A file that vanished since the scan is skipped.
+    """
+    findings: list[Finding] = []
+    for info in _progress(scan.blocks, "verify"):
+        try:
+            reason, st = verify_file(info.path)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            findings.append(Finding(info.path, "unreadable", f"cannot read: {err.strerror or err}"))
+            continue
+        if reason is None:
+            continue
+        if reason.startswith(_FOREIGN):
+            findings.append(Finding(info.path, "foreign", reason.removeprefix(_FOREIGN)))
+            continue
+        removed = False
+        if remove:
+            _remove_if_unchanged(info.path, st)
+            removed = not os.path.exists(info.path)
+        findings.append(Finding(info.path, "damaged", reason, removed))
+    return findings
+
+
+@dataclass
+class Deletion:
+    """Result of :func:`delete_files`: files and bytes freed, and ``(path, error)`` for each failed deletion."""
+
+    files: int = 0
+    bytes: int = 0
+    errors: list[tuple[str, str]] = field(default_factory=list)
+
+
+def delete_files(files: Sequence[FileInfo], desc: str) -> Deletion:
+    """Unlink ``files``; a file already gone counts as freed, other errors are collected, never raised."""
+    result = Deletion()
+    for f in _progress(files, desc):
+        try:
+            os.unlink(f.path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            result.errors.append((f.path, err.strerror or str(err)))
+            continue
+        result.files += 1
+        result.bytes += f.size
+    return result
+
+
+def gc_plan(scan: StoreScan, target_bytes: int) -> list[FileInfo]:
+    """The block files to delete, least recently used first, so that the rest total at most ``target_bytes``.
+
+    Raises:
+        ValueError: ``target_bytes`` < 0.
+    """
+    if target_bytes < 0:
+        raise ValueError(f"target must be >= 0 bytes, got {target_bytes}")
+    excess = scan.block_bytes - target_bytes
+    plan: list[FileInfo] = []
+    for f in sorted(scan.blocks, key=lambda f: (f.last_used_ns, f.path)):
+        if excess <= 0:
+            break
+        plan.append(f)
+        excess -= f.size
+    return plan
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units, e.g. ``'42.2 MiB'``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _print_deletion(what: str, d: Deletion, out: TextIO) -> None:
+    print(f"{what}: removed {d.files} files, freed {format_bytes(d.bytes)} ({d.bytes} bytes)", file=out)
+    for path, err in d.errors:
+        print(f"  cannot remove {path}: {err}", file=out)
+
+
+def _cmd_stats(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
+    stats = store_stats(scan)
+    if args.json:
+        print(json.dumps(stats, indent=2), file=out)
+        return EXIT_OK
+    print(f"dirs: {', '.join(scan.dirs)}", file=out)
+    print(f"block files: {stats['block_files']}, {format_bytes(stats['block_bytes'])}", file=out)
+    print(f"temp files: {stats['tmp_files']}, {format_bytes(stats['tmp_bytes'])}", file=out)
+    print(f"other files: {stats['other_files']} (not UCM's; never touched)", file=out)
+    if stats["by_payload_size"]:
+        print("by payload size (one size per model/config):", file=out)
+        for g in stats["by_payload_size"]:
+            print(
+                f"  {g['payload_nbytes']:>12} B payload: {g['block_files']:>8} files, {format_bytes(g['bytes'])}",
+                file=out,
+            )
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
+    findings = verify_store(scan, remove=args.remove)
+    for f in findings:
+        note = " (removed)" if f.removed else (" (kept)" if f.kind == "foreign" or args.remove else "")
+        print(f"{f.kind}: {f.path}: {f.reason}{note}", file=out)
+    counts = {k: sum(1 for f in findings if f.kind == k) for k in ("damaged", "foreign", "unreadable")}
+    removed = sum(1 for f in findings if f.removed)
+    print(
+        f"verified {len(scan.blocks)} block files: {counts['damaged']} damaged"
+        + (f" ({removed} removed)" if args.remove else "")
+        + f", {counts['foreign']} foreign (kept), {counts['unreadable']} unreadable",
+        file=out,
+    )
+    return EXIT_FAILED if counts["damaged"] or counts["unreadable"] else EXIT_OK
+
+
+def _cmd_gc(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
+    target = int(args.target_gb * GIB)
+    temps = delete_files(scan.stale_temps(args.tmp_age_s), "stale temps")
+    blocks = delete_files(gc_plan(scan, target), "gc")
+    _print_deletion("stale temp files", temps, out)
+    _print_deletion("least recently used block files", blocks, out)
+    left = scan.block_bytes - blocks.bytes
+    print(f"block files now total {format_bytes(left)} (target {format_bytes(target)})", file=out)
+    return EXIT_FAILED if temps.errors or blocks.errors else EXIT_OK
+
+
+def _cmd_clear(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
+    temps = delete_files(scan.stale_temps(args.tmp_age_s), "stale temps")
+    blocks = delete_files(scan.blocks, "clear")
+    _print_deletion("stale temp files", temps, out)
+    _print_deletion("block files", blocks, out)
+    return EXIT_FAILED if temps.errors or blocks.errors else EXIT_OK
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m ucm.store``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ucm.store",
+        description="Inspect, verify and trim a UCM Posix store (block files <dir>/xx/yy/<key>.ucmb). "
+        "Every command takes --storage-backends DIR[:DIR...] or --config ucm_config.yaml.",
+        epilog="Exit status: 0 ok; 1 damaged files found or a deletion failed; 2 bad arguments or missing directory.",
+    )
+    # The location options belong to every command, after its name: `python -m ucm.store stats --config x.yaml`.
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_argument_group("store location (exactly one)")
+    where.add_argument("--storage-backends", metavar="DIR[:DIR...]", help="the store's directories, as in the config")
+    where.add_argument("--config", metavar="YAML", help="UCM config file; its storage_backends are used")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "stats", parents=[common], help="count block files, bytes, temp files; group blocks by payload size"
+    )
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+    p = sub.add_parser(
+        "verify", parents=[common], help="read and validate every block file (header, key, size, checksum)"
+    )
+    p.add_argument("--remove", action="store_true", help="delete damaged files (foreign-format files are kept)")
+
+    tmp_help = f"temp files older than this many seconds (mtime) are stale and removed (default {DEFAULT_TMP_AGE_S:g})"
+    p = sub.add_parser(
+        "gc", parents=[common], help="delete least recently used block files down to a size; remove stale temps"
+    )
+    p.add_argument(
+        "--target-gb", type=_non_negative_float, required=True, metavar="X", help="keep at most X GiB of block files"
+    )
+    p.add_argument("--tmp-age-s", type=_non_negative_float, default=DEFAULT_TMP_AGE_S, metavar="S", help=tmp_help)
+
+    p = sub.add_parser("clear", parents=[common], help="delete every block file and stale temp (needs --yes)")
+    p.add_argument("--yes", action="store_true", help="confirm: delete every block file in the store")
+    p.add_argument("--tmp-age-s", type=_non_negative_float, default=DEFAULT_TMP_AGE_S, metavar="S", help=tmp_help)
+    return parser
+
+
+_COMMANDS = {"stats": _cmd_stats, "verify": _cmd_verify, "gc": _cmd_gc, "clear": _cmd_clear}
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``), printing to ``out`` (default stdout).
+
+    Returns the exit status (0 ok, 1 damaged files or failed deletions, 2 usage or location errors). Bad arguments
+    make argparse print usage and raise ``SystemExit(2)``; location errors print ``error: ...`` on stderr.
+    """
+    out = sys.stdout if out is None else out
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "clear" and not args.yes:
+        parser.error("clear deletes every block file in the store and asks nothing: add --yes to confirm")
+    try:
+        dirs = resolve_dirs(args.storage_backends, args.config)
+        scan = scan_store(dirs)
+    except (StoreLocationError, OSError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return _COMMANDS[args.command](args, scan, out)
