@@ -76,13 +76,31 @@ def gather_blocks(
         TypeError: ``block_ids`` is not an int32/int64 tensor.
         ValueError: bad shapes, dtypes, devices, layout or ``impl``, or block ids out of ``[0, num_blocks)``.
     """
+    return gather_staged(kv_caches, block_ids, layout, out, impl, layer_major=False)
+
+
+def gather_staged(
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    layout: KVLayout,
+    out: torch.Tensor | None,
+    impl: str,
+    layer_major: bool,
+) -> torch.Tensor:
+    """The body of :func:`gather_blocks` (``layer_major=False``: ``out`` is ``[n, num_layers, *shard]``) and of
+    ``gather_layers`` (``layer_major=True``: ``[num_layers, n, *shard]``): validate, allocate, copy.
+
+    Raises:
+        TypeError / ValueError: as :func:`gather_blocks`.
+    """
     num_blocks, block_size, num_kv_heads, head_dim = check_paged_caches(kv_caches, layout)
     device = kv_caches[0].device
     which = resolve_impl(impl, device, layout)
     ids = check_block_ids(block_ids, num_blocks).to(device)
     shard = canonical_shard_shape(block_size, num_kv_heads, head_dim, layout)
-    out = alloc_or_check_out(out, (ids.numel(), len(kv_caches), *shard), kv_caches[0])
-    copy_blocks(kv_caches, ids, layout, out, gather=True, impl=which)
+    lead = (len(kv_caches), ids.numel()) if layer_major else (ids.numel(), len(kv_caches))
+    out = alloc_or_check_out(out, (*lead, *shard), kv_caches[0])
+    copy_blocks(kv_caches, ids, layout, out.transpose(0, 1) if layer_major else out, gather=True, impl=which)
     return out
 
 

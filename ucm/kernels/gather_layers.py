@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ucm.kernels._block_copy import Impl, copy_blocks, resolve_impl
-from ucm.kernels.gather_blocks import alloc_or_check_out, gather_blocks_reference
-from ucm.kernels.layouts import KVLayout, canonical_shard_shape, check_block_ids, check_paged_caches
+from ucm.kernels._block_copy import Impl
+from ucm.kernels.gather_blocks import gather_blocks_reference, gather_staged
+from ucm.kernels.layouts import KVLayout
 
 
 def gather_layers(
@@ -44,14 +44,7 @@ def gather_layers(
         TypeError: ``block_ids`` is not an int32/int64 tensor.
         ValueError: bad shapes, dtypes, devices, layout or ``impl``, or block ids out of ``[0, num_blocks)``.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = check_paged_caches(kv_caches, layout)
-    device = kv_caches[0].device
-    which = resolve_impl(impl, device, layout)
-    ids = check_block_ids(block_ids, num_blocks).to(device)
-    shard = canonical_shard_shape(block_size, num_kv_heads, head_dim, layout)
-    out = alloc_or_check_out(out, (len(kv_caches), ids.numel(), *shard), kv_caches[0])
-    copy_blocks(kv_caches, ids, layout, out.transpose(0, 1), gather=True, impl=which)
-    return out
+    return gather_staged(kv_caches, block_ids, layout, out, impl, layer_major=True)
 
 
 def gather_layers_reference(

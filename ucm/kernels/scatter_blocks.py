@@ -89,10 +89,28 @@ def scatter_blocks(
         ValueError: bad shapes, dtypes, devices, layout or ``impl``; repeated or out-of-range block ids. Nothing
             is written when an error is raised.
     """
-    ids, _ = check_scatter(blocks, kv_caches, layout, block_ids, layer_major=False, name="blocks")
+    scatter_staged(blocks, kv_caches, block_ids, layout, impl, layer_major=False, name="blocks")
+
+
+def scatter_staged(
+    staging: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    layout: KVLayout,
+    impl: str,
+    layer_major: bool,
+    name: str,
+) -> None:
+    """The body of :func:`scatter_blocks` (``layer_major=False``: ``staging`` is ``[n, num_layers, *shard]``) and
+    of ``scatter_layers`` (``layer_major=True``: ``[num_layers, n, *shard]``): validate, then copy.
+
+    Raises:
+        TypeError / ValueError: as :func:`scatter_blocks` (``name`` names ``staging`` in messages).
+    """
+    ids, _ = check_scatter(staging, kv_caches, layout, block_ids, layer_major=layer_major, name=name)
     which = resolve_impl(impl, kv_caches[0].device, layout)
-    src = blocks if shard_contiguous(blocks) else blocks.contiguous()
-    copy_blocks(kv_caches, ids, layout, src, gather=False, impl=which)
+    src = staging if shard_contiguous(staging) else staging.contiguous()
+    copy_blocks(kv_caches, ids, layout, src.transpose(0, 1) if layer_major else src, gather=False, impl=which)
 
 
 def scatter_blocks_reference(

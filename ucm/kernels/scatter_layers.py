@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ucm.kernels._block_copy import Impl, copy_blocks, resolve_impl
+from ucm.kernels._block_copy import Impl
 from ucm.kernels.layouts import KVLayout
-from ucm.kernels.scatter_blocks import check_scatter, scatter_blocks_reference, shard_contiguous
+from ucm.kernels.scatter_blocks import check_scatter, scatter_blocks_reference, scatter_staged
 
 
 def scatter_layers(
@@ -41,10 +41,7 @@ def scatter_layers(
         ValueError: bad shapes, dtypes, devices, layout or ``impl``; repeated or out-of-range block ids. Nothing
             is written when an error is raised.
     """
-    ids, _ = check_scatter(shards, kv_caches, layout, block_ids, layer_major=True, name="shards")
-    which = resolve_impl(impl, kv_caches[0].device, layout)
-    src = shards if shard_contiguous(shards) else shards.contiguous()
-    copy_blocks(kv_caches, ids, layout, src.transpose(0, 1), gather=False, impl=which)
+    scatter_staged(shards, kv_caches, block_ids, layout, impl, layer_major=True, name="shards")
 
 
 def scatter_layers_reference(
