@@ -58,13 +58,19 @@ class UcmPipelineStoreConfig(_Strict):
         "psync", description="Posix stage: I/O engine; 'psync' = thread pool of positional reads/writes."
     )
     posix_io_threads: int = Field(8, ge=1, le=256, description="Posix stage: I/O threads per process.")
+    posix_capacity_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Posix stage: most GiB of block files over all storage_backends; least recently used blocks "
+        "are garbage-collected above it (null: unbounded).",
+    )
     compress_ratio: int = Field(32, description="Compress stage (KVfold): 32 = off. Needs a Compress stage.")
     data_type: int = Field(0, description="Compress stage: KV dtype code, 0 = BF16. Needs a Compress stage.")
     decompress_thread_num: int = Field(
         4, ge=1, description="Compress stage: decompression threads. Needs a Compress stage."
     )
 
-    @field_validator("cache_buffer_capacity_gb", mode="before")
+    @field_validator("cache_buffer_capacity_gb", "posix_capacity_gb", mode="before")
     @classmethod
     def _int_is_float(cls, value: Any) -> Any:
         # YAML writes 64 as an int; strict mode would refuse it for a float field.
@@ -116,6 +122,11 @@ class UcmPipelineStoreConfig(_Strict):
     def storage_dirs(self) -> list[str]:
         """The directories of ``storage_backends``, in order."""
         return [d for d in self.storage_backends.split(":") if d.strip()]
+
+    @property
+    def posix_capacity_bytes(self) -> int | None:
+        """``posix_capacity_gb`` in bytes (GiB = 2**30 bytes), ``None`` when unbounded."""
+        return None if self.posix_capacity_gb is None else int(self.posix_capacity_gb * GIB)
 
     @property
     def cache_buffer_capacity_bytes(self) -> int:

@@ -21,11 +21,9 @@ Commands:
   (2**30 bytes, counted as file sizes), and removes stale temps.
 - ``clear --yes``: deletes every block file and every stale temp.
 
-Last use of a block is ``max(atime, mtime)``: a block file is never modified after its rename, so its mtime is its
-write time, and its atime is its last read where the filesystem records reads. On ``noatime`` mounts the atime is
-not updated and this falls back to the write time; on ``relatime`` (Linux's default) an atime is updated at most
-once a day, so LRU order is exact only to about a day. ``verify`` opens files with ``O_NOATIME`` (or restores the
-atime afterwards) so that a verify pass does not make every block look recently used.
+Last use of a block is ``max(atime, mtime)`` (see :mod:`ucm.store.posix_scan`): the store sets a block file's atime
+when it serves the block. ``verify`` opens files with ``O_NOATIME`` (or restores the atime afterwards) so that a
+verify pass does not make every block look recently used.
 
 Safe to run while vLLM uses the store: a block deleted under a reader is a miss for later loads, never wrong data;
 shard directories are never removed (a writer may be about to create its temp file there). Exit status: 0 done,
@@ -39,9 +37,8 @@ import contextlib
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -55,12 +52,19 @@ from ucm.store.posix import (
     HEADER,
     HEADER_NBYTES,
     MAGIC,
-    TMP_SUFFIX,
     _read_validated,
     _remove_if_unchanged,
 )
+from ucm.store.posix_scan import (
+    DEFAULT_TMP_AGE_S,
+    Deletion,
+    FileInfo,
+    StoreScan,
+    delete_files,
+    gc_plan,
+    scan_store,
+)
 
-DEFAULT_TMP_AGE_S = 3600.0
 KEY_NBYTES = 16
 
 EXIT_OK = 0
@@ -70,37 +74,6 @@ EXIT_USAGE = 2
 
 class StoreLocationError(ValueError):
     """The store's directories cannot be determined or one is missing / not a directory (exit status 2)."""
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    """One file found in the store: absolute path, size in bytes, last use and mtime in ns since the epoch."""
-
-    path: str
-    size: int
-    last_used_ns: int
-    mtime_ns: int
-
-
-@dataclass
-class StoreScan:
-    """What :func:`scan_store` found, sorted by kind (see the module docstring)."""
-
-    dirs: list[str]
-    blocks: list[FileInfo] = field(default_factory=list)
-    temps: list[FileInfo] = field(default_factory=list)
-    others: list[FileInfo] = field(default_factory=list)
-
-    @property
-    def block_bytes(self) -> int:
-        """Total size of the block files in bytes."""
-        return sum(f.size for f in self.blocks)
-
-    def stale_temps(self, tmp_age_s: float, now_ns: int | None = None) -> list[FileInfo]:
-        """Temp files whose mtime is more than ``tmp_age_s`` seconds before ``now_ns`` (default: now)."""
-        now_ns = time.time_ns() if now_ns is None else now_ns
-        limit = now_ns - int(tmp_age_s * 1e9)
-        return [f for f in self.temps if f.mtime_ns < limit]
 
 
 @dataclass(frozen=True)
@@ -116,6 +89,10 @@ class Finding:
 def _progress(items: Sequence[Any], desc: str, unit: str = "file") -> Iterator[Any]:
     """Iterate ``items`` with a tqdm bar on stderr, shown only when stderr is a terminal."""
     yield from tqdm(items, desc=desc, unit=unit, disable=not sys.stderr.isatty(), leave=False)
+
+
+def _delete(files: Sequence[FileInfo], desc: str) -> Deletion:
+    return delete_files(files, lambda items: _progress(items, desc))
 
 
 def resolve_dirs(storage_backends: str | None, config: str | None) -> list[str]:
@@ -147,44 +124,6 @@ def resolve_dirs(storage_backends: str | None, config: str | None) -> list[str]:
         if not os.path.isdir(d):
             raise StoreLocationError(f"storage path {d!r} exists but is not a directory")
     return dirs
-
-
-def _walk_files(root: str) -> Iterator[os.DirEntry[str]]:
-    """Regular files under ``root``, recursively; symlinks are neither followed nor listed."""
-    stack = [root]
-    while stack:
-        with contextlib.suppress(FileNotFoundError), os.scandir(stack.pop()) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
-                    yield entry
-
-
-def scan_store(dirs: Sequence[str]) -> StoreScan:
-    """List the block, temp and other files under ``dirs`` with their sizes and times (reads no file data).
-
-    A file that disappears during the scan (a concurrent gc or rename) is skipped.
-
-    Raises:
-        OSError: a directory cannot be listed (permissions).
-    """
-    scan = StoreScan(dirs=list(dirs))
-    for d in dirs:
-        for entry in _walk_files(d):
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            info = FileInfo(entry.path, st.st_size, max(st.st_atime_ns, st.st_mtime_ns), st.st_mtime_ns)
-            name = entry.name
-            if name.endswith(FILE_SUFFIX) and not name.startswith("."):
-                scan.blocks.append(info)
-            elif name.endswith(TMP_SUFFIX) and name.startswith("."):
-                scan.temps.append(info)
-            else:
-                scan.others.append(info)
-    return scan
 
 
 def store_stats(scan: StoreScan) -> dict[str, Any]:
@@ -285,49 +224,6 @@ def verify_store(scan: StoreScan, remove: bool) -> list[Finding]:
     return findings
 
 
-@dataclass
-class Deletion:
-    """Result of :func:`delete_files`: files and bytes freed, and ``(path, error)`` for each failed deletion."""
-
-    files: int = 0
-    bytes: int = 0
-    errors: list[tuple[str, str]] = field(default_factory=list)
-
-
-def delete_files(files: Sequence[FileInfo], desc: str) -> Deletion:
-    """Unlink ``files``; a file already gone counts as freed, other errors are collected, never raised."""
-    result = Deletion()
-    for f in _progress(files, desc):
-        try:
-            os.unlink(f.path)
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            result.errors.append((f.path, err.strerror or str(err)))
-            continue
-        result.files += 1
-        result.bytes += f.size
-    return result
-
-
-def gc_plan(scan: StoreScan, target_bytes: int) -> list[FileInfo]:
-    """The block files to delete, least recently used first, so that the rest total at most ``target_bytes``.
-
-    Raises:
-        ValueError: ``target_bytes`` < 0.
-    """
-    if target_bytes < 0:
-        raise ValueError(f"target must be >= 0 bytes, got {target_bytes}")
-    excess = scan.block_bytes - target_bytes
-    plan: list[FileInfo] = []
-    for f in sorted(scan.blocks, key=lambda f: (f.last_used_ns, f.path)):
-        if excess <= 0:
-            break
-        plan.append(f)
-        excess -= f.size
-    return plan
-
-
 def format_bytes(n: int) -> str:
     """``n`` bytes in binary units, e.g. ``'42.2 MiB'``."""
     value = float(n)
@@ -381,8 +277,8 @@ def _cmd_verify(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
 
 def _cmd_gc(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
     target = int(args.target_gb * GIB)
-    temps = delete_files(scan.stale_temps(args.tmp_age_s), "stale temps")
-    blocks = delete_files(gc_plan(scan, target), "gc")
+    temps = _delete(scan.stale_temps(args.tmp_age_s), "stale temps")
+    blocks = _delete(gc_plan(scan, target), "gc")
     _print_deletion("stale temp files", temps, out)
     _print_deletion("least recently used block files", blocks, out)
     left = scan.block_bytes - blocks.bytes
@@ -391,8 +287,8 @@ def _cmd_gc(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
 
 
 def _cmd_clear(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
-    temps = delete_files(scan.stale_temps(args.tmp_age_s), "stale temps")
-    blocks = delete_files(scan.blocks, "clear")
+    temps = _delete(scan.stale_temps(args.tmp_age_s), "stale temps")
+    blocks = _delete(scan.blocks, "clear")
     _print_deletion("stale temp files", temps, out)
     _print_deletion("block files", blocks, out)
     return EXIT_FAILED if temps.errors or blocks.errors else EXIT_OK

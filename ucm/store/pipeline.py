@@ -45,7 +45,9 @@ def build_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
     store: UcmKVStoreBase | None = None
     for stage in reversed(stages):
         if stage == "Posix":
-            store = PosixStore(config.storage_dirs, io_threads=config.posix_io_threads)
+            store = PosixStore(
+                config.storage_dirs, io_threads=config.posix_io_threads, capacity_bytes=config.posix_capacity_bytes
+            )
         elif stage == "Cache":
             _warn_if_larger_than_memory(config.cache_buffer_capacity_bytes)
             store = CacheStore(store, config.cache_buffer_capacity_bytes)

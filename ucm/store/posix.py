@@ -30,6 +30,25 @@ before reporting a block as loaded; anything else is a failed key (a cache miss 
 removed, so the block is recomputed and stored again instead of failing every later load; a file of another format
 version, codec or block size (another UCM version sharing the directory, or a caller's size mismatch) is left in
 place.
+
+Files are created with mode ``0o600`` and shard directories with ``0o700`` (the process umask applies on top): only
+the serving user reads the KV it wrote. The storage directories themselves must exist or be creatable at start; a
+storage directory that disappears while serving (deleted, unmounted) is not re-created: dumps to it fail with one
+warning per error kind and loads miss, until it is back.
+
+Faults never raise out of ``load``/``dump``: an ``OSError`` (``ENOSPC``, ``EROFS``, ``EACCES``, ``EIO``, ``ENOENT``,
+...) fails the key, which the caller treats as a miss (load) or as a block not cached (dump). The first failure of
+each kind (operation and errno) is logged as a warning, later ones at debug level; the first success after failures
+is logged at info level and re-arms the warnings.
+
+Maintenance (a background thread ``ucm-posix-gc``): at start, stale temp files (mtime older than ``tmp_age_s``,
+left by killed writers) are removed. With ``capacity_bytes``, block files are garbage-collected least recently used
+first (see :mod:`ucm.store.posix_scan`; serving a block refreshes its recency) down to
+``GC_LOW_WATERMARK * capacity_bytes`` whenever the store's estimate of the directory's block bytes (the last scan
+plus this process's writes since) exceeds the capacity; the directories are re-scanned every ``gc_interval_s``
+while this process writes, so other instances' writes are counted too; ``close`` runs a last collection, so a
+stopped store is within its capacity. Several instances may share the directories, each collecting: a block removed
+under a reader is a miss, never wrong data.
 """
 
 from __future__ import annotations
@@ -41,22 +60,35 @@ import os
 import secrets
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from ucm.logger import init_logger
 from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys, check_keys_and_buffer
+from ucm.store.posix_scan import (
+    DEFAULT_TMP_AGE_S,
+    FILE_SUFFIX,
+    TMP_SUFFIX,
+    Deletion,
+    delete_files,
+    gc_plan,
+    scan_store,
+)
 
 logger = init_logger(__name__)
 
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
 CODEC_RAW = 0
-FILE_SUFFIX = ".ucmb"
-TMP_SUFFIX = ".tmp"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+GC_LOW_WATERMARK = 0.9  # a collection removes blocks down to this fraction of the capacity
+DEFAULT_GC_INTERVAL_S = 30.0
 # magic, version, codec, reserved, payload nbytes, key, checksum
 HEADER = struct.Struct("<4sHHIQ16sQ")
 HEADER_NBYTES = HEADER.size  # 44
@@ -76,7 +108,7 @@ def _prepare_dir(path: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"storage backend {path!r} exists and is not a directory")
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"storage backend {path!r} cannot be created: {exc}") from exc
     if not os.access(path, os.W_OK | os.X_OK):
@@ -114,38 +146,86 @@ class _Gather:
             self.future.set_result(TaskResult(self._num_keys, frozenset(self._failed)))
 
 
+@dataclass(frozen=True)
+class GcResult:
+    """Outcome of one :meth:`PosixStore.collect_garbage` pass (sizes in bytes).
+
+    Attributes:
+        block_bytes: block files' total size found by the scan, before removals.
+        removed_blocks / removed_temps: what was deleted (files, bytes, errors).
+    """
+
+    block_bytes: int
+    removed_blocks: Deletion
+    removed_temps: Deletion
+
+
 class PosixStore(UcmKVStoreBase):
     """Store stage keeping one file per block on POSIX directories (local SSD, NFS, 3FS...).
 
     Buffers follow the contract of :mod:`ucm.store.base`: CPU ``torch.uint8`` tensors
-    ``[num_keys, block_nbytes]``, one row per key. Loads and dumps run on a thread pool, one file per job.
+    ``[num_keys, block_nbytes]``, one row per key. Loads and dumps run on a thread pool, one file per job. See the
+    module docstring for the file format, fault handling and garbage collection.
 
     Args:
         storage_backends: one directory, several joined by ``':'``, or a sequence of directories. Missing
             directories are created. The order matters: it decides which directory holds which key.
         io_threads: number of I/O worker threads (>= 1).
+        capacity_bytes: most bytes of block files to keep over all directories (file sizes; ``None``: unbounded).
+        tmp_age_s: temp files older than this (seconds, mtime) are removed at start as left by killed writers.
+        gc_interval_s: with a capacity, how often (seconds) the directories are re-scanned while this process
+            writes.
 
     Raises:
         ValueError: ``storage_backends`` is empty or has an empty entry; a path exists but is not a directory,
-            cannot be created, or is not writable; ``io_threads`` < 1.
+            cannot be created, or is not writable; ``io_threads`` < 1; ``capacity_bytes`` <= 0; ``tmp_age_s`` or
+            ``gc_interval_s`` <= 0.
     """
 
-    def __init__(self, storage_backends: str | Sequence[str], *, io_threads: int = 4) -> None:
+    def __init__(
+        self,
+        storage_backends: str | Sequence[str],
+        *,
+        io_threads: int = 4,
+        capacity_bytes: int | None = None,
+        tmp_age_s: float = DEFAULT_TMP_AGE_S,
+        gc_interval_s: float = DEFAULT_GC_INTERVAL_S,
+    ) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0 or None (unbounded), got {capacity_bytes}")
+        if tmp_age_s <= 0 or gc_interval_s <= 0:
+            raise ValueError(f"tmp_age_s and gc_interval_s must be > 0, got {tmp_age_s} and {gc_interval_s}")
         self._dirs = _split_backends(storage_backends)
         for d in self._dirs:
             _prepare_dir(d)
+        self._capacity = capacity_bytes
+        self._tmp_age_s = tmp_age_s
+        self._gc_interval_s = gc_interval_s
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ucm-posix")
         self._closed = False
         self._close_lock = threading.Lock()
-        self._warned_errnos: set[int] = set()
-        self._warn_lock = threading.Lock()
+        self._faults = _FaultLog()
+        # Capacity accounting: block bytes found by the last scan plus what this process wrote since.
+        self._usage_lock = threading.Lock()
+        self._usage_estimate = 0
+        self._written_since_scan = 0
+        self._gc_lock = threading.Lock()  # one collection at a time in this process
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._maintenance = threading.Thread(target=self._maintain, name="ucm-posix-gc", daemon=True)
+        self._maintenance.start()
 
     @property
     def dirs(self) -> list[str]:
         """The storage directories (absolute paths), in placement order."""
         return list(self._dirs)
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The capacity in bytes of block files, ``None`` when unbounded."""
+        return self._capacity
 
     def block_path(self, key: bytes) -> str:
         """Path of the file holding ``key``'s block (16-byte key), whether or not it exists."""
@@ -173,7 +253,8 @@ class PosixStore(UcmKVStoreBase):
         """Start reading the blocks of ``keys`` into the rows of ``dst`` (uint8 ``[len(keys), nbytes]``).
 
         A key fails (its index is in ``TaskResult.failed``, its row unspecified) when its file is missing or
-        fails validation (header, size, key, trailing bytes, checksum) or on any ``OSError``.
+        fails validation (header, size, key, trailing bytes, checksum) or on any ``OSError``. A block served
+        refreshes its file's recency (atime) for garbage collection.
 
         Raises:
             TypeError / ValueError: bad keys or ``dst`` (see :func:`~ucm.store.base.check_keys_and_buffer`).
@@ -196,14 +277,86 @@ class PosixStore(UcmKVStoreBase):
         return self._submit_all(keys, lambda i: self._dump_one(keys[i], src[i]), "dump")
 
     def close(self) -> None:
-        """Wait for the running I/O jobs and stop the worker threads. Idempotent."""
+        """Wait for the running I/O jobs, stop the worker threads and, with a capacity, run a last collection so
+        that the directories are within it. Idempotent."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
+        self._stop.set()
+        self._wakeup.set()
+        self._maintenance.join()
+        if self._capacity is not None:
+            self._collect_logged()
+
+    def collect_garbage(self) -> GcResult:
+        """Scan the directories, remove stale temp files and, above the capacity, least recently used block files
+        down to ``GC_LOW_WATERMARK * capacity_bytes``. Runs in the maintenance thread; callable directly.
+
+        Raises:
+            OSError: a storage directory cannot be listed.
+        """
+        with self._gc_lock:
+            with self._usage_lock:
+                self._written_since_scan = 0
+            scan = scan_store(self._dirs)
+            temps = delete_files(scan.stale_temps(self._tmp_age_s))
+            plan = []
+            if self._capacity is not None and scan.block_bytes > self._capacity:
+                plan = gc_plan(scan, int(self._capacity * GC_LOW_WATERMARK))
+            blocks = delete_files(plan)
+            with self._usage_lock:
+                self._usage_estimate = scan.block_bytes - blocks.bytes + self._written_since_scan
+            return GcResult(scan.block_bytes, blocks, temps)
 
     # -- internals ------------------------------------------------------------------------------------------
+
+    def _collect_logged(self) -> None:
+        try:
+            r = self.collect_garbage()
+        except OSError as exc:
+            logger.warning("posix store: garbage collection cannot scan %s: %s", ":".join(self._dirs), exc)
+            return
+        if r.removed_temps.files:
+            logger.info("posix store: removed %d stale temp files left by killed writers", r.removed_temps.files)
+        if r.removed_blocks.files:
+            logger.info(
+                "posix store: block files total %.1f MiB, over the capacity of %.1f MiB: removed the %d least "
+                "recently used (%.1f MiB)",
+                r.block_bytes / 2**20,
+                (self._capacity or 0) / 2**20,
+                r.removed_blocks.files,
+                r.removed_blocks.bytes / 2**20,
+            )
+        for path, err in (r.removed_blocks.errors + r.removed_temps.errors)[:1]:
+            logger.warning("posix store: garbage collection cannot remove %s: %s", path, err)
+
+    def _maintain(self) -> None:
+        """Maintenance thread: a first collection (stale temps; capacity), then collections when woken by a dump
+        over the capacity or every ``gc_interval_s`` while this process writes (only with a capacity)."""
+        self._collect_logged()
+        if self._capacity is None:
+            return
+        while not self._stop.is_set():
+            self._wakeup.wait(self._gc_interval_s)
+            self._wakeup.clear()
+            if self._stop.is_set():
+                return
+            with self._usage_lock:
+                due = self._usage_estimate > self._capacity or self._written_since_scan > 0
+            if due:
+                self._collect_logged()
+
+    def _account_write(self, nbytes: int) -> None:
+        if self._capacity is None:
+            return
+        with self._usage_lock:
+            self._usage_estimate += nbytes
+            self._written_since_scan += nbytes
+            over = self._usage_estimate > self._capacity
+        if over:
+            self._wakeup.set()
 
     def _submit_all(self, keys: Sequence[bytes], job: Callable[[int], bool], what: str) -> Task:
         if self._closed:
@@ -215,22 +368,13 @@ class PosixStore(UcmKVStoreBase):
             gather.add(i, self._pool.submit(job, i))
         return Task(gather.future)
 
-    def _warn_write_error(self, key: bytes, path: str, exc: OSError) -> None:
-        code = exc.errno if exc.errno is not None else -1
-        with self._warn_lock:
-            first = code not in self._warned_errnos
-            self._warned_errnos.add(code)
-        name = errno.errorcode.get(code, str(code))
-        if first:
-            logger.warning(
-                "posix store: cannot write block %s to %s: %s; further %s errors are logged at debug level",
-                key.hex(),
-                path,
-                exc,
-                name,
-            )
-        else:
-            logger.debug("posix store: cannot write block %s to %s: %s", key.hex(), path, exc)
+    def _make_shard_dirs(self, shard: str) -> None:
+        """Create the two shard levels below an existing storage directory (never the storage directory itself:
+        one that vanished stays a failure, ENOENT, instead of being re-created on the mount point)."""
+        parent = os.path.dirname(shard)
+        for d in (parent, shard):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, DIR_MODE)
 
     def _dump_one(self, key: bytes, row: torch.Tensor) -> bool:
         path = self.block_path(key)
@@ -247,22 +391,25 @@ class PosixStore(UcmKVStoreBase):
         )
         fd = -1
         try:
-            os.makedirs(shard, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            if not os.path.isdir(shard):
+                self._make_shard_dirs(shard)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             _write_all(fd, memoryview(header))
             _write_all(fd, payload)
             os.close(fd)
             fd = -1
             os.replace(tmp, path)
-            return True
         except OSError as exc:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            self._warn_write_error(key, path, exc)
+            self._faults.failed("write", exc, f"block {key.hex()} to {path}")
             return False
+        self._faults.succeeded("write")
+        self._account_write(HEADER_NBYTES + payload.nbytes)
+        return True
 
     def _load_one(self, key: bytes, row: torch.Tensor) -> bool:
         path = self.block_path(key)
@@ -270,15 +417,18 @@ class PosixStore(UcmKVStoreBase):
         try:
             with open(path, "rb", buffering=0) as f:
                 reason = _read_validated(f, key, payload)
-                stat = os.fstat(f.fileno()) if reason is not None else None
+                stat = os.fstat(f.fileno())
+                if reason is None:  # a hit: refresh the block's recency for garbage collection (best effort)
+                    with contextlib.suppress(OSError):
+                        os.utime(f.fileno(), ns=(time.time_ns(), stat.st_mtime_ns))
         except FileNotFoundError:
             logger.debug("posix store: block %s not found at %s", key.hex(), path)
             return False
         except OSError as exc:
-            logger.warning("posix store: cannot read block file %s: %s; treating as a miss", path, exc)
+            self._faults.failed("read", exc, f"block file {path}", "treating it as a miss")
             return False
+        self._faults.succeeded("read")
         if reason is not None:
-            assert stat is not None
             kept = reason.startswith(_FOREIGN)
             if not kept:
                 _remove_if_unchanged(path, stat)
@@ -290,6 +440,45 @@ class PosixStore(UcmKVStoreBase):
             )
             return False
         return True
+
+
+class _FaultLog:
+    """Logs I/O failures once per kind: the first ``(operation, errno)`` failure as a warning, repeats at debug
+    level; the first success of an operation after failures at info level, re-arming its warnings."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._warned: set[tuple[str, int]] = set()
+        self._failures: dict[str, int] = {}
+
+    def failed(self, op: str, exc: OSError, what: str, outcome: str = "not cached") -> None:
+        code = exc.errno if exc.errno is not None else -1
+        with self._lock:
+            first = (op, code) not in self._warned
+            self._warned.add((op, code))
+            self._failures[op] = self._failures.get(op, 0) + 1
+        name = errno.errorcode.get(code, str(code))
+        if first:
+            logger.warning(
+                "posix store: cannot %s %s: %s; %s (further %s %s errors are logged at debug level)",
+                op,
+                what,
+                exc,
+                outcome,
+                op,
+                name,
+            )
+        else:
+            logger.debug("posix store: cannot %s %s: %s", op, what, exc)
+
+    def succeeded(self, op: str) -> None:
+        if not self._failures.get(op):  # the common path: no lock
+            return
+        with self._lock:
+            failures = self._failures.pop(op, 0)
+            self._warned = {w for w in self._warned if w[0] != op}
+        if failures:
+            logger.info("posix store: %s works again after %d failed block %ss", op, failures, op)
 
 
 # Reasons that may mean "another UCM version's block" or a caller's size mismatch rather than damage: such files are

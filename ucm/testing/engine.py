@@ -11,8 +11,12 @@ Spec (a dict, JSON-serializable)::
      "enable_prefix_caching": true,
      "engine_args": {"max_num_batched_tokens": 256},   # optional: more LLM(...) keyword arguments
      "connector": null | {"kv_connector": "UCMConnector", ...}   # vLLM's kv_transfer_config as a dict
-     "requests": [{"prompt": "...", "max_tokens": 16, "cache_salt": null, "reset_prefix_cache": false}, ...],
+     "requests": [{"prompt": "...", "max_tokens": 16, "cache_salt": null, "reset_prefix_cache": false,
+                   "before_cmd": null}, ...],   # before_cmd: a shell command the child runs before the request
      "reset_prefix_cache": false}       # reset vLLM's own prefix cache before every request
+
+``before_cmd`` lets a test change the world while the engine serves (delete the storage directory, fill a disk);
+``run_engine(wrapper=[...])`` runs the child under a command prefix (e.g. ``setpriv`` dropping capabilities).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,14 +96,17 @@ def run_engine(
     env: dict[str, str] | None = None,
     timeout_s: float = 900,
     log_path: Path | None = None,
+    wrapper: Sequence[str] = (),
 ) -> tuple[list[RequestResult], str]:
     """Run ``spec`` in a fresh engine process; return the per-request results and the child's stderr.
+
+    ``env`` adds to :func:`engine_env`; ``wrapper`` is a command prefix for the child (``[]``: none).
 
     Raises:
         RuntimeError: the child failed (its stderr tail is in the message).
     """
     proc = subprocess.run(
-        [sys.executable, "-m", "ucm.testing.engine"],
+        [*wrapper, sys.executable, "-m", "ucm.testing.engine"],
         input=json.dumps(spec),
         capture_output=True,
         text=True,
@@ -139,6 +147,8 @@ def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
     )
     out: list[dict[str, Any]] = []
     for req in spec["requests"]:
+        if req.get("before_cmd"):
+            subprocess.run(req["before_cmd"], shell=True, check=True)
         if spec.get("reset_prefix_cache") or req.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 16), logprobs=0)

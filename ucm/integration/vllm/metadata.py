@@ -32,16 +32,20 @@ class UCMConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class UCMWorkerMetadata(KVConnectorWorkerMetadata):
-    """What the workers tell the scheduler after a step: keys their store now holds (in DRAM or on storage).
+    """What the workers tell the scheduler after a step: keys their store now holds (in DRAM or on storage), and
+    keys whose load failed (the store no longer holds them as they were: recomputed, they must be dumped again).
 
-    The scheduler's process does not see the workers' DRAM tier; without this, a block would only be found once
-    written back to storage. Keys are rank-independent (as in :class:`BlockTransfer`).
+    The scheduler's process does not see the workers' DRAM tier; without ``stored_keys``, a block would only be
+    found once written back to storage. Keys are rank-independent (as in :class:`BlockTransfer`).
     """
 
     stored_keys: list[bytes] = field(default_factory=list)
+    failed_keys: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Keep the keys every rank stored (a block is usable only when all its shards are)."""
+        """Keep the keys every rank stored (a block is usable only when all its shards are) and the keys any rank
+        failed to load."""
         assert isinstance(other, UCMWorkerMetadata)
         theirs = set(other.stored_keys)
-        return UCMWorkerMetadata([k for k in self.stored_keys if k in theirs])
+        failed = list(dict.fromkeys([*self.failed_keys, *other.failed_keys]))
+        return UCMWorkerMetadata([k for k in self.stored_keys if k in theirs], failed)

@@ -99,6 +99,21 @@ class UCMScheduler:
         while len(self._recent) > self._recent_capacity:
             self._recent.popitem(last=False)
 
+    def forget_failed_keys(self, keys: Sequence[bytes]) -> None:
+        """Keys whose load failed (from ``UCMWorkerMetadata``): no longer count them as stored, and dump the
+        recomputed blocks again so that the store heals (vLLM recomputes from the first failed block)."""
+        if not keys:
+            return
+        failed = set(keys)
+        for key in rank_keys(keys, 0, self._tp_size):
+            self._recent.pop(key, None)
+        for state in self._requests.values():
+            first = next((i for i, k in enumerate(state.keys) if k in failed), None)
+            if first is not None:
+                state.num_stored = min(state.num_stored, first)
+                state.next_dump = min(state.next_dump, first)
+        logger.debug("%d blocks failed to load; they will be dumped again once recomputed", len(failed))
+
     def _lookup(self, keys: list[bytes]) -> int:
         """Leading keys present: reported by the workers, or found by the store. With tensor parallelism each rank
         stores its shard under its own key; rank 0's stand for all (ranks dump the same blocks in the same step)."""
@@ -134,6 +149,11 @@ class UCMScheduler:
                 len(state.keys),
                 num_hbm,
                 -(-num_external // self._block_size),
+            )
+            logger.debug(
+                "request_id: %s, block keys: %s",
+                request.request_id,
+                " ".join(k.hex() for k in rank_keys(state.keys, 0, self._tp_size)),
             )
         return num_external, False
 

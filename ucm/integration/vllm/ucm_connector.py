@@ -139,7 +139,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(self._meta())
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.take_stored_keys() if self._worker is not None else None
+        return self._worker.take_worker_meta() if self._worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
@@ -169,6 +169,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, UCMWorkerMetadata):
             self._scheduler.add_stored_keys(meta.stored_keys)
+            self._scheduler.forget_failed_keys(meta.failed_keys)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Dumps are gathered during the step that fills a block, so blocks can be freed at once.

@@ -53,6 +53,7 @@ class UCMWorker:
         self._load_errors: set[int] = set()
         self._pending_dumps: list[tuple[Task, torch.Tensor, int]] = []
         self._stored_keys: list[bytes] = []
+        self._failed_keys: list[bytes] = []
         self._load_buffer: torch.Tensor | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -116,6 +117,7 @@ class UCMWorker:
         if result.failed:
             failed_ids = {block_ids[i] for i in result.failed}
             self._load_errors |= failed_ids
+            self._failed_keys.extend(keys[i] for i in sorted(result.failed))
             logger.warning("%d of %d blocks failed to load; vLLM recomputes them", len(failed_ids), len(keys))
         if not ok:
             return
@@ -167,11 +169,12 @@ class UCMWorker:
                 still.append((task, rows, n))
         self._pending_dumps = still
 
-    def take_stored_keys(self) -> UCMWorkerMetadata | None:
-        """Keys stored since the last call, for the scheduler (``None`` when there are none)."""
-        if not self._stored_keys:
+    def take_worker_meta(self) -> UCMWorkerMetadata | None:
+        """Keys stored and keys that failed to load since the last call, for the scheduler (``None``: none)."""
+        if not self._stored_keys and not self._failed_keys:
             return None
-        meta, self._stored_keys = UCMWorkerMetadata(self._stored_keys), []
+        meta = UCMWorkerMetadata(self._stored_keys, self._failed_keys)
+        self._stored_keys, self._failed_keys = [], []
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,0 +1,81 @@
+"""Test-only I/O fault injection for engine subprocesses (put this directory on ``PYTHONPATH``).
+
+Only for the faults that cannot be caused for real on this machine (EIO needs failing hardware or a device-mapper
+``error`` target). ``UCM_TEST_FAULTS`` is a JSON object; each list names block keys (hex) whose files misbehave:
+
+- ``"read_eio"``: reading a block file (``*.ucmb``) of one of these keys fails with ``EIO`` after it was opened;
+- ``"write_eio"``: writing the temp file of one of these keys fails with ``EIO``.
+
+Without ``UCM_TEST_FAULTS`` nothing is patched.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import json
+import os
+
+_SPEC = os.environ.get("UCM_TEST_FAULTS")
+
+
+def _matches(path: object, keys: list[str]) -> bool:
+    name = os.path.basename(os.fsdecode(path)) if isinstance(path, (str, bytes, os.PathLike)) else ""
+    return any(k in name for k in keys)
+
+
+class _EioReader:
+    """Wraps an opened file; every read fails with EIO, like a bad sector."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def _fail(self, *args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    readinto = read = readall = _fail
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
+if _SPEC:
+    _faults = json.loads(_SPEC)
+    _read_eio = list(_faults.get("read_eio", []))
+    _write_eio = list(_faults.get("write_eio", []))
+    _real_open = builtins.open
+    _real_os_open = os.open
+    _real_os_write = os.write
+    _bad_fds: set[int] = set()
+
+    def _open(file, *args, **kwargs):
+        f = _real_open(file, *args, **kwargs)
+        if _read_eio and str(file).endswith(".ucmb") and _matches(file, _read_eio):
+            return _EioReader(f)
+        return f
+
+    def _os_open(path, flags, *args, **kwargs):
+        fd = _real_os_open(path, flags, *args, **kwargs)
+        if _write_eio and flags & os.O_WRONLY and _matches(path, _write_eio):
+            _bad_fds.add(fd)
+        else:
+            _bad_fds.discard(fd)
+        return fd
+
+    def _os_write(fd, data):
+        if fd in _bad_fds:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return _real_os_write(fd, data)
+
+    builtins.open = _open
+    os.open = _os_open
+    os.write = _os_write
