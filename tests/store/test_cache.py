@@ -5,11 +5,13 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
+import ucm.store.cache as cache_module
 from tests.store.blocks import make_blocks, make_keys, poisoned
 from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
 from ucm.store.cache import CacheStore
@@ -330,4 +332,244 @@ def test_load_into_inference_tensor_from_both_tiers(tmp_path: Path) -> None:
         result = cache.wait(cache.load(keys, dst))  # key 0 from DRAM, keys 1-2 from files via the loader thread
     assert result.ok
     assert torch.equal(dst, src)
+    cache.close()
+
+
+# -- block slots: reuse, capacity counted in slots, mixed sizes, no slot reused under a reader -------------------
+
+
+class SlowLoadStore(DictStore):
+    """DictStore whose loads finish on a thread once ``load_release`` is set; records the buffers it loads into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load_release = threading.Event()
+        self.load_release.set()
+        self.load_started = threading.Event()
+        self.load_buffers: list[int] = []  # data_ptr of every buffer handed to load
+        self.dump_buffers: list[int] = []  # data_ptr of every buffer handed to dump
+
+    def load(self, keys: Sequence[bytes], dst: torch.Tensor) -> Task:
+        check_keys_and_buffer(keys, dst, "dst")
+        self.load_buffers.append(dst.data_ptr())
+        future: Future[TaskResult] = Future()
+
+        def finish() -> None:
+            self.load_started.set()
+            assert self.load_release.wait(timeout=10), "test did not release the blocked load"
+            future.set_result(super(SlowLoadStore, self).load(keys, dst).result())
+
+        threading.Thread(target=finish).start()
+        return Task(future)
+
+    def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
+        self.dump_buffers.append(src.data_ptr())
+        return super().dump(keys, src)
+
+
+def slot_ptrs(cache: CacheStore) -> set[int]:
+    """Addresses of the slots holding the cached blocks."""
+    return {cache._entries[key].data.data_ptr() for key in cache.cached_keys()}
+
+
+def test_slots_are_reused_after_eviction_and_keep_bytes() -> None:
+    cache = CacheStore(None, 3 * NBYTES + 50)
+    keys = make_keys(30, seed=40)
+    src = make_blocks(30, NBYTES, seed=41)
+    assert cache.wait(cache.dump(keys[:3], src[:3])).ok
+    first = slot_ptrs(cache)
+    assert len(first) == 3 and cache.slot_bytes == 3 * NBYTES
+    for start in range(3, 30, 3):  # every batch evicts the previous one and refills its slots
+        assert cache.wait(cache.dump(keys[start : start + 3], src[start : start + 3])).ok
+        assert slot_ptrs(cache) == first
+        assert cache.slot_bytes == cache.used_bytes == 3 * NBYTES
+        dst = poisoned(3, NBYTES)
+        assert cache.wait(cache.load(keys[start : start + 3], dst)).ok
+        assert torch.equal(dst, src[start : start + 3])
+    assert cache.lookup(keys[:27]) == 0
+    cache.close()
+
+
+def test_dump_writes_back_from_src_rows_without_copying() -> None:
+    inner = SlowLoadStore()
+    cache = CacheStore(inner, 10 * NBYTES)
+    keys = make_keys(6, seed=42)
+    src = make_blocks(6, NBYTES, seed=43)
+    assert cache.wait(cache.dump(keys[1:2] + keys[4:5], src[[1, 4]])).ok
+    inner.dump_buffers.clear()
+    # Keys 1 and 4 are cached and stored below: rows 0, 2-3 and 5 go below as runs of src, no staging copy.
+    assert cache.wait(cache.dump(keys, src)).ok
+    assert inner.dump_buffers == [src[0].data_ptr(), src[2].data_ptr(), src[5].data_ptr()]
+    assert inner.dumped[-4:] == [keys[0], keys[2], keys[3], keys[5]]
+    for i, key in enumerate(keys):
+        assert torch.equal(inner.blocks[key], src[i])
+    src.fill_(0)  # the caller may reuse src once the task is done: the cache holds its own copy
+    dst = poisoned(6, NBYTES)
+    assert cache.wait(cache.load(keys, dst)).ok
+    assert torch.equal(dst, make_blocks(6, NBYTES, seed=43))
+    cache.close()
+
+
+def test_promotion_keeps_the_slot_the_miss_was_read_into() -> None:
+    inner = SlowLoadStore()
+    keys = make_keys(4, seed=44)
+    src = make_blocks(4, NBYTES, seed=45)
+    for i, key in enumerate(keys):
+        inner.blocks[key] = src[i].clone()
+    cache = CacheStore(inner, 4 * NBYTES)
+    dst = poisoned(4, NBYTES)
+    assert cache.wait(cache.load(keys, dst)).ok
+    assert torch.equal(dst, src)
+    cache.flush()
+    assert cache.cached_keys() == keys
+    assert slot_ptrs(cache) == set(inner.load_buffers)  # read straight into the slots that became the entries
+    assert cache.used_bytes == cache.slot_bytes == 4 * NBYTES
+    inner.blocks.clear()
+    dst = poisoned(4, NBYTES)
+    assert cache.wait(cache.load(keys, dst)).ok  # from DRAM alone
+    assert torch.equal(dst, src)
+    cache.close()
+
+
+def test_slot_being_read_into_is_never_handed_out() -> None:
+    inner = SlowLoadStore()
+    cache = CacheStore(inner, 2 * NBYTES)
+    keys = make_keys(6, seed=46)
+    src = make_blocks(6, NBYTES, seed=47)
+    inner.blocks[keys[0]] = src[0].clone()
+    inner.load_release.clear()
+    task = cache.load(keys[:1], poisoned(1, NBYTES))  # key 0 is being read into a slot
+    assert inner.load_started.wait(timeout=10)
+    # The other slot is the only one left: dumps cycle through it and never take the slot being read into.
+    for i in range(1, 6):
+        assert cache.wait(cache.dump(keys[i : i + 1], src[i : i + 1])).ok
+        assert cache.slot_bytes <= cache.capacity_bytes
+    assert cache.cached_keys() == [keys[5]]
+    inner.load_release.set()
+    assert cache.wait(task).ok
+    cache.flush()
+    assert cache.cached_keys() == [keys[5], keys[0]]
+    dst = poisoned(2, NBYTES)
+    inner.blocks.clear()
+    assert cache.wait(cache.load([keys[0], keys[5]], dst)).ok
+    assert torch.equal(dst, src[[0, 5]])
+    cache.close()
+
+
+def test_block_being_copied_out_is_not_evicted(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = CacheStore(None, 2 * NBYTES)
+    keys = make_keys(4, seed=48)
+    src = make_blocks(4, NBYTES, seed=49)
+    assert cache.wait(cache.dump(keys[:2], src[:2])).ok
+    copying, release = threading.Event(), threading.Event()
+    real_copy = cache_module._copy_row
+
+    def slow_copy(dst: torch.Tensor, src_row: torch.Tensor) -> None:
+        if threading.current_thread().name == "reader":
+            copying.set()
+            assert release.wait(timeout=10)
+        real_copy(dst, src_row)
+
+    monkeypatch.setattr(cache_module, "_copy_row", slow_copy)
+    dst = poisoned(1, NBYTES)
+    reader = threading.Thread(target=lambda: cache.wait(cache.load(keys[:1], dst)), name="reader")
+    reader.start()
+    assert copying.wait(timeout=10)
+    # Key 0 is pinned by the copy: two new blocks evict key 1, and the later one takes the slot of the earlier.
+    try:
+        result = cache.wait(cache.dump(keys[2:], src[2:]))
+        assert result.failed == {0}
+        assert cache.cached_keys() == [keys[0], keys[3]]
+    finally:
+        release.set()
+    reader.join(timeout=10)
+    assert torch.equal(dst[0], src[0])
+    cache.close()
+
+
+MIXED_SIZES = [NBYTES, 2 * NBYTES + 7, 3 * NBYTES - 1]
+
+
+def test_mixed_block_sizes_share_the_capacity_in_slots() -> None:
+    cache = CacheStore(None, 7 * NBYTES)
+    rng = random.Random(50)
+    keys = make_keys(60, seed=51)
+    size_of = {key: MIXED_SIZES[i % 3] for i, key in enumerate(keys)}
+    blocks = {key: make_blocks(1, size_of[key], seed=100 + i) for i, key in enumerate(keys)}
+    for _ in range(300):
+        key = rng.choice(keys)
+        if rng.random() < 0.6:
+            assert cache.wait(cache.dump([key], blocks[key])).ok  # every size fits once the rest is evicted
+        else:
+            dst = poisoned(1, size_of[key])
+            if cache.wait(cache.load([key], dst)).ok:
+                assert torch.equal(dst, blocks[key])
+        assert cache.used_bytes <= cache.slot_bytes <= cache.capacity_bytes
+        assert cache.used_bytes == sum(size_of[k] for k in cache.cached_keys())
+    for key in cache.cached_keys():
+        dst = poisoned(1, size_of[key])
+        assert cache.wait(cache.load([key], dst)).ok and torch.equal(dst, blocks[key])
+    cache.close()
+
+
+def test_other_size_gets_room_from_free_slots_then_lru() -> None:
+    cache = CacheStore(None, 4 * NBYTES)
+    keys = make_keys(6, seed=52)
+    small = make_blocks(4, NBYTES, seed=53)
+    assert cache.wait(cache.dump(keys[:4], small)).ok
+    big = make_blocks(1, 2 * NBYTES, seed=54)
+    assert cache.wait(cache.dump(keys[4:5], big)).ok  # evicts the two least recently used small blocks
+    assert cache.cached_keys() == [keys[2], keys[3], keys[4]]
+    assert cache.slot_bytes == cache.used_bytes == 4 * NBYTES
+    # The same key again with another size replaces its block: its freed slot is dropped to make room.
+    again = make_blocks(1, 3 * NBYTES, seed=55)
+    assert cache.wait(cache.dump(keys[4:5], again)).ok
+    assert cache.cached_keys() == [keys[3], keys[4]]
+    assert cache.slot_bytes == cache.used_bytes == 4 * NBYTES
+    dst = poisoned(1, 3 * NBYTES)
+    assert cache.wait(cache.load(keys[4:5], dst)).ok and torch.equal(dst, again)
+    dst = poisoned(1, NBYTES)
+    assert cache.wait(cache.load(keys[3:4], dst)).ok and torch.equal(dst[0], small[3])
+    cache.close()
+
+
+@pytest.mark.parametrize("sizes", [[NBYTES], MIXED_SIZES], ids=["one_size", "mixed_sizes"])
+def test_concurrent_loads_and_dumps_over_posix_are_bit_exact(tmp_path: Path, sizes: list[int]) -> None:
+    """Several threads dump and load through a cache far smaller than the blocks, so slots are evicted, reused and
+    promoted into all the time; every loaded row must be the dumped bytes."""
+    cache = CacheStore(PosixStore(str(tmp_path / "kv"), io_threads=3), 6 * NBYTES)
+    keys = make_keys(40, seed=56)
+    size_of = {key: sizes[i % len(sizes)] for i, key in enumerate(keys)}
+    blocks = {key: make_blocks(1, size_of[key], seed=200 + i)[0] for i, key in enumerate(keys)}
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(60):
+            nbytes = rng.choice(sizes)
+            chosen = rng.sample([k for k in keys if size_of[k] == nbytes], 4)
+            if rng.random() < 0.4:
+                src = torch.stack([blocks[k] for k in chosen])
+                if not cache.wait(cache.dump(chosen, src)).ok:
+                    errors.append("dump failed")
+            else:
+                dst = poisoned(4, nbytes)
+                result = cache.wait(cache.load(chosen, dst))
+                for j, key in enumerate(chosen):
+                    if j not in result.failed and not torch.equal(dst[j], blocks[key]):
+                        errors.append(f"wrong bytes for key {keys.index(key)}")
+            if not cache.used_bytes <= cache.slot_bytes <= cache.capacity_bytes:
+                errors.append("over capacity")
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    cache.flush()
+    assert errors == []
+    stored = [k for k in keys if cache.lookup([k]) == 1]
+    for key in stored:
+        dst = poisoned(1, size_of[key])
+        assert cache.wait(cache.load([key], dst)).ok and torch.equal(dst[0], blocks[key])
     cache.close()
