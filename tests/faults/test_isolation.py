@@ -3,6 +3,7 @@ the serving user; block keys never reach a path unescaped."""
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 
@@ -11,7 +12,9 @@ import pytest
 from tests.conftest import MODELS_DIR
 from tests.faults.conftest import block_files, run_ucm
 from tests.store.blocks import make_blocks
+from ucm.store.cli import main, store_stats
 from ucm.store.posix import PosixStore
+from ucm.store.posix_scan import scan_store
 from ucm.testing.models import ensure_tiny_llama
 
 
@@ -30,6 +33,15 @@ def test_two_models_and_two_tenants_never_share_a_block(tiny_model, fault_prompt
     assert len(files_a) == 4
     assert len(block_files(store)) == 8
     assert results_a[0].logprobs != results_b[0].logprobs  # really another model
+
+    # Operators see the two models apart and can clear one of them.
+    stats = store_stats(scan_store([str(store)]))
+    by_model = {(g["info"] or {}).get("model", "").split("@")[0]: g for g in stats["by_namespace"]}  # path@#config
+    assert set(by_model) == {str(tiny_model), str(other_model)}
+    assert all(g["block_files"] == 4 and g["info"]["kv_dtype"] == "float32" for g in by_model.values())
+    tag_b = by_model[str(other_model)]["namespace"]
+    assert main(["clear", "--yes", "--namespace", tag_b, "--storage-backends", str(store)], out=io.StringIO()) == 0
+    assert set(block_files(store)) == files_a
 
 
 def test_files_are_private_and_keys_never_escape_the_directory(tmp_path):

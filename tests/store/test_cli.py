@@ -18,7 +18,7 @@ import pytest
 
 from tests.store.blocks import make_blocks, make_keys
 from ucm.store.cli import main
-from ucm.store.posix import FILE_SUFFIX, HEADER_NBYTES, TMP_SUFFIX, PosixStore
+from ucm.store.posix import FILE_SUFFIX, HEADER_NBYTES, TMP_SUFFIX, PosixStore, namespace_tag
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NBYTES = [1000, 4099]  # two block sizes: two groups in stats' breakdown
@@ -228,3 +228,39 @@ def test_location_required(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     code, _ = run_main("stats", "--config", str(tmp_path / "missing.yaml"))
     assert code == 2
     assert "cannot read UCM config file" in capsys.readouterr().err
+
+
+def test_stats_and_clear_by_namespace(tmp_path: Path) -> None:
+    """Blocks tagged by two namespaces and untagged ones: stats groups them with each namespace's description;
+    clear --namespace deletes only that namespace's blocks."""
+    dirs = f"{tmp_path / 'a'}:{tmp_path / 'b'}"
+    tags = {}
+    paths: dict[str, list[str]] = {}
+    for name, seed in (("model-a", 40), ("model-b", 41), (None, 42)):
+        store = PosixStore(dirs)
+        if name is not None:
+            digest = bytes([seed]) * 16
+            store.set_namespace(digest, {"model": name, "kv_dtype": "bfloat16", "block_size": 128})
+            tags[name] = f"{namespace_tag(digest):08x}"
+        keys = make_keys(3 + seed - 40, seed=seed)
+        assert store.wait(store.dump(keys, make_blocks(len(keys), 512, seed=seed))).ok
+        paths[str(name)] = [store.block_path(k) for k in keys]
+        store.close()
+    for d in ("a", "b"):
+        info = json.loads((tmp_path / d / "namespaces" / f"{tags['model-a']}.json").read_text())
+        assert info == {"tag": tags["model-a"], "model": "model-a", "kv_dtype": "bfloat16", "block_size": 128}
+    code, text = run_main("stats", "--storage-backends", dirs, "--json")
+    assert code == 0
+    stats = json.loads(text)
+    assert stats["other_files"] == 0  # namespace files are UCM's, not strays
+    groups = {g["namespace"]: (g["block_files"], (g["info"] or {}).get("model")) for g in stats["by_namespace"]}
+    assert groups == {tags["model-a"]: (3, "model-a"), tags["model-b"]: (4, "model-b"), "unknown": (5, None)}
+    code, text = run_main("stats", "--storage-backends", dirs)
+    assert f"{tags['model-b']}:        4 files" in text and "model=model-b" in text
+
+    code, text = run_main("clear", "--yes", "--namespace", tags["model-b"], "--storage-backends", dirs)
+    assert code == 0, text
+    assert not any(os.path.exists(p) for p in paths["model-b"])
+    assert all(os.path.exists(p) for p in paths["model-a"] + paths["None"])
+    with pytest.raises(SystemExit):
+        run_main("clear", "--yes", "--namespace", "xyz", "--storage-backends", dirs)

@@ -23,6 +23,7 @@ import abc
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -157,6 +158,11 @@ class UcmKVStoreBase(abc.ABC):
     def check(self, task: Task) -> bool:
         """True when ``task`` is done (non-blocking)."""
         return task.done()
+
+    def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Record the model namespace of the blocks dumped from now on: ``tag`` (the namespace digest, >= 4 bytes)
+        and ``info`` (JSON-serializable fields naming it: model, dtype, block_size...), for operators' tools.
+        Stages that keep nothing per namespace ignore it; stages over another stage pass it down."""
 
     def flush(self) -> None:  # noqa: B027 - optional hook, a no-op for stages without background work
         """Block until all background work (write-backs) started so far is finished."""

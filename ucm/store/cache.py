@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -293,6 +294,11 @@ class CacheStore(UcmKVStoreBase):
         except RuntimeError:  # closed concurrently: wait for the reads here, so that no slot is reused under one
             self._finish_load_safely(list(keys), dst, reads, result)
         return Task(result)
+
+    def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
+        """Pass the model namespace down to the stage below (the DRAM tier keeps nothing per namespace)."""
+        if self._inner is not None:
+            self._inner.set_namespace(tag, info)
 
     def flush(self) -> None:
         """Block until every write-back and read-through promotion started so far has finished."""

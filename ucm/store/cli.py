@@ -11,15 +11,17 @@ command walks the directories recursively and sorts what it finds by name (see :
 
 Commands:
 
-- ``stats``: block files, their bytes, temp files, and blocks grouped by payload size (file size minus the
-  44-byte header; keys are opaque digests, so the payload size is the only hint of which model wrote a block).
+- ``stats``: block files, their bytes, temp files, blocks grouped by model namespace (the tag in each block's header,
+  described by ``namespaces/<tag>.json``: model, KV dtype, block_size, layers, heads...; ``unknown`` for blocks
+  written without a namespace) and by payload size (file size minus the 44-byte header).
 - ``verify``: reads every block file and validates it as ``load`` does (header, key = the file name, exact size,
   xxh3 checksum). Damaged files are listed; ``--remove`` deletes them. Files of another format version, codec or
   block size are reported as *foreign* and kept (another UCM version may share the directory). Exit status 1 if
   a file is damaged or unreadable.
 - ``gc --target-gb X``: deletes the least recently used block files until the block files total at most X GiB
   (2**30 bytes, counted as file sizes), and removes stale temps.
-- ``clear --yes``: deletes every block file and every stale temp.
+- ``clear --yes [--namespace TAG]``: deletes every block file and every stale temp; with ``--namespace``, only the
+  block files of that namespace (8 hex digits, as ``stats`` prints it).
 
 Last use of a block is ``max(atime, mtime)`` (see :mod:`ucm.store.posix_scan`): the store sets a block file's atime
 when it serves the block. ``verify`` opens files with ``O_NOATIME`` (or restores the atime afterwards) so that a
@@ -57,6 +59,7 @@ from ucm.store.posix import (
 )
 from ucm.store.posix_scan import (
     DEFAULT_TMP_AGE_S,
+    NAMESPACE_DIR,
     Deletion,
     FileInfo,
     StoreScan,
@@ -126,8 +129,47 @@ def resolve_dirs(storage_backends: str | None, config: str | None) -> list[str]:
     return dirs
 
 
+def read_namespace_tag(path: str) -> int | None:
+    """The namespace tag in the header of the block file at ``path`` (0: not set); ``None`` when the file is not a
+    readable UCM block file of this format version."""
+    try:
+        fd = _open_noatime(path)
+        try:
+            head = os.pread(fd, HEADER_NBYTES, 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    if len(head) != HEADER_NBYTES:
+        return None
+    magic, version, _codec, tag, _nbytes, _key, _checksum = HEADER.unpack(head)
+    return tag if (magic, version) == (MAGIC, FORMAT_VERSION) else None
+
+
+def namespace_infos(dirs: Sequence[str]) -> dict[int, dict[str, Any]]:
+    """The namespace descriptions found in ``<dir>/namespaces/*.json``, by tag (unreadable files are skipped)."""
+    infos: dict[int, dict[str, Any]] = {}
+    for d in dirs:
+        folder = os.path.join(d, NAMESPACE_DIR)
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(folder)):
+                if not name.endswith(".json"):
+                    continue
+                try:
+                    with open(os.path.join(folder, name)) as f:
+                        info = json.load(f)
+                    infos[int(name[: -len(".json")], 16)] = info
+                except (OSError, ValueError):
+                    continue
+    return infos
+
+
+def _tags(scan: StoreScan) -> list[int | None]:
+    return [read_namespace_tag(f.path) for f in _progress(scan.blocks, "read headers")]
+
+
 def store_stats(scan: StoreScan) -> dict[str, Any]:
-    """Summary of a scan as a JSON-ready dict (sizes in bytes; ``by_payload_size`` largest group first)."""
+    """Summary of a scan as a JSON-ready dict (sizes in bytes; groups largest first). Reads each block's header."""
     groups: dict[int, list[int]] = {}
     for f in scan.blocks:
         g = groups.setdefault(max(f.size - HEADER_NBYTES, 0), [0, 0])
@@ -137,6 +179,21 @@ def store_stats(scan: StoreScan) -> dict[str, Any]:
         {"payload_nbytes": size, "block_files": n, "bytes": nbytes}
         for size, (n, nbytes) in sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))
     ]
+    infos = namespace_infos(scan.dirs)
+    by_tag: dict[int | None, list[int]] = {}
+    for f, tag in zip(scan.blocks, _tags(scan), strict=True):
+        g = by_tag.setdefault(tag, [0, 0])
+        g[0] += 1
+        g[1] += f.size
+    by_namespace = [
+        {
+            "namespace": "unreadable" if tag is None else ("unknown" if tag == 0 else f"{tag:08x}"),
+            "info": infos.get(tag) if tag else None,
+            "block_files": n,
+            "bytes": nbytes,
+        }
+        for tag, (n, nbytes) in sorted(by_tag.items(), key=lambda kv: (-kv[1][1], kv[0] or 0))
+    ]
     return {
         "dirs": scan.dirs,
         "block_files": len(scan.blocks),
@@ -144,6 +201,7 @@ def store_stats(scan: StoreScan) -> dict[str, Any]:
         "tmp_files": len(scan.temps),
         "tmp_bytes": sum(f.size for f in scan.temps),
         "other_files": len(scan.others),
+        "by_namespace": by_namespace,
         "by_payload_size": by_size,
     }
 
@@ -249,6 +307,16 @@ def _cmd_stats(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
     print(f"block files: {stats['block_files']}, {format_bytes(stats['block_bytes'])}", file=out)
     print(f"temp files: {stats['tmp_files']}, {format_bytes(stats['tmp_bytes'])}", file=out)
     print(f"other files: {stats['other_files']} (not UCM's; never touched)", file=out)
+    if stats["by_namespace"]:
+        print("by model namespace:", file=out)
+        for g in stats["by_namespace"]:
+            info = g["info"] or {}
+            what = ", ".join(f"{k}={info[k]}" for k in ("model", "kv_dtype", "block_size", "tp_size") if k in info)
+            print(
+                f"  {g['namespace']:>10}: {g['block_files']:>8} files, {format_bytes(g['bytes'])}"
+                + (f"  ({what})" if what else ""),
+                file=out,
+            )
     if stats["by_payload_size"]:
         print("by payload size (one size per model/config):", file=out)
         for g in stats["by_payload_size"]:
@@ -287,6 +355,11 @@ def _cmd_gc(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
 
 
 def _cmd_clear(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
+    if args.namespace is not None:
+        chosen = [f for f, tag in zip(scan.blocks, _tags(scan), strict=True) if tag == args.namespace]
+        blocks = _delete(chosen, "clear")
+        _print_deletion(f"block files of namespace {args.namespace:08x}", blocks, out)
+        return EXIT_FAILED if blocks.errors else EXIT_OK
     temps = _delete(scan.stale_temps(args.tmp_age_s), "stale temps")
     blocks = _delete(scan.blocks, "clear")
     _print_deletion("stale temp files", temps, out)
@@ -302,6 +375,15 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:  # also refuses NaN
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
+
+
+def _namespace_tag(text: str) -> int:
+    try:
+        if len(text) == 8:
+            return int(text, 16)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected 8 hex digits as printed by stats, got {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -320,7 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
-        "stats", parents=[common], help="count block files, bytes, temp files; group blocks by payload size"
+        "stats",
+        parents=[common],
+        help="count block files, bytes, temp files; group blocks by model namespace and payload size",
     )
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
@@ -338,8 +422,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tmp-age-s", type=_non_negative_float, default=DEFAULT_TMP_AGE_S, metavar="S", help=tmp_help)
 
-    p = sub.add_parser("clear", parents=[common], help="delete every block file and stale temp (needs --yes)")
+    p = sub.add_parser(
+        "clear",
+        parents=[common],
+        help="delete every block file and stale temp, or one namespace's blocks (needs --yes)",
+    )
     p.add_argument("--yes", action="store_true", help="confirm: delete every block file in the store")
+    p.add_argument(
+        "--namespace",
+        type=_namespace_tag,
+        metavar="TAG",
+        help="only the block files of this model namespace (8 hex digits, from stats)",
+    )
     p.add_argument("--tmp-age-s", type=_non_negative_float, default=DEFAULT_TMP_AGE_S, metavar="S", help=tmp_help)
     return parser
 

@@ -13,7 +13,8 @@ offset  size   field
 0       4      magic ``b"UCMB"``
 4       2      format version (u16, ``FORMAT_VERSION`` = 1)
 6       2      codec (u16, ``CODEC_RAW`` = 0: the payload is the block's bytes)
-8       4      reserved (u32, written as 0, ignored on read)
+8       4      namespace tag (u32): the first 4 bytes of the model namespace digest, 0 when not set (see
+               ``set_namespace``); informational (the key already separates namespaces), not checked on load
 12      8      payload size in bytes (u64)
 20      16     the block key
 36      8      checksum of the payload: ``xxhash.xxh3_64_intdigest(payload)`` (u64)
@@ -56,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
 import secrets
 import struct
@@ -64,6 +66,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -73,6 +76,7 @@ from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys, check_k
 from ucm.store.posix_scan import (
     DEFAULT_TMP_AGE_S,
     FILE_SUFFIX,
+    NAMESPACE_DIR,
     TMP_SUFFIX,
     Deletion,
     delete_files,
@@ -89,7 +93,7 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 GC_LOW_WATERMARK = 0.9  # a collection removes blocks down to this fraction of the capacity
 DEFAULT_GC_INTERVAL_S = 30.0
-# magic, version, codec, reserved, payload nbytes, key, checksum
+# magic, version, codec, namespace tag, payload nbytes, key, checksum
 HEADER = struct.Struct("<4sHHIQ16sQ")
 HEADER_NBYTES = HEADER.size  # 44
 
@@ -207,6 +211,7 @@ class PosixStore(UcmKVStoreBase):
         self._closed = False
         self._close_lock = threading.Lock()
         self._faults = _FaultLog()
+        self._ns_tag = 0
         # Capacity accounting: block bytes found by the last scan plus what this process wrote since.
         self._usage_lock = threading.Lock()
         self._usage_estimate = 0
@@ -275,6 +280,37 @@ class PosixStore(UcmKVStoreBase):
         """
         check_keys_and_buffer(keys, src, "src")
         return self._submit_all(keys, lambda i: self._dump_one(keys[i], src[i]), "dump")
+
+    def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
+        """Tag the blocks dumped from now on with ``namespace_tag(tag)`` (header field) and describe the namespace
+        in ``<dir>/namespaces/<tag as 8 hex digits>.json`` of every storage directory, for ``python -m ucm.store
+        stats``/``clear --namespace``. A file that cannot be written is a warning, never an error.
+
+        Raises:
+            ValueError: ``tag`` is shorter than 4 bytes; TypeError: ``info`` is not JSON-serializable.
+        """
+        self._ns_tag = namespace_tag(tag)
+        text = json.dumps({"tag": f"{self._ns_tag:08x}", **info}, sort_keys=True, indent=1)
+        for d in self._dirs:
+            path = os.path.join(d, NAMESPACE_DIR, f"{self._ns_tag:08x}.json")
+            try:
+                with open(path) as f:
+                    if f.read() == text:
+                        continue
+            except OSError:
+                pass
+            tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(os.path.dirname(path), DIR_MODE)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+                with open(fd, "w") as f:
+                    f.write(text)
+                os.replace(tmp, path)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                logger.warning("posix store: cannot write namespace file %s: %s", path, exc)
 
     def close(self) -> None:
         """Wait for the running I/O jobs, stop the worker threads and, with a capacity, run a last collection so
@@ -387,7 +423,7 @@ class PosixStore(UcmKVStoreBase):
         )
         payload = row.numpy().data.cast("B")
         header = HEADER.pack(
-            MAGIC, FORMAT_VERSION, CODEC_RAW, 0, payload.nbytes, key, xxhash.xxh3_64_intdigest(payload)
+            MAGIC, FORMAT_VERSION, CODEC_RAW, self._ns_tag, payload.nbytes, key, xxhash.xxh3_64_intdigest(payload)
         )
         fd = -1
         try:
@@ -486,6 +522,18 @@ class _FaultLog:
 _FOREIGN = "foreign: "
 
 
+def namespace_tag(digest: bytes) -> int:
+    """The u32 namespace tag of a namespace ``digest`` (its first 4 bytes, little-endian; 0 is bumped to 1 so that
+    0 keeps meaning "not set").
+
+    Raises:
+        ValueError: ``digest`` is shorter than 4 bytes.
+    """
+    if len(digest) < 4:
+        raise ValueError(f"namespace digest must have at least 4 bytes, got {len(digest)}")
+    return int.from_bytes(digest[:4], "little") or 1
+
+
 def _remove_if_unchanged(path: str, stat: os.stat_result) -> None:
     """Remove the damaged file at ``path`` if it is still the file that was read (a writer may have replaced it
     with a good block meanwhile; the check narrows, but cannot close, that window: at worst a good block is lost,
@@ -528,7 +576,7 @@ def _read_validated(f: io.FileIO, key: bytes, payload: memoryview) -> str | None
     got = _read_full(f, memoryview(header))
     if got != HEADER_NBYTES:
         return f"file is {got} bytes, shorter than the {HEADER_NBYTES}-byte header"
-    magic, version, codec, _reserved, nbytes, file_key, checksum = HEADER.unpack(header)
+    magic, version, codec, _ns_tag, nbytes, file_key, checksum = HEADER.unpack(header)
     if magic != MAGIC:
         return f"bad magic {magic!r}, expected {MAGIC!r}"
     if version != FORMAT_VERSION:

@@ -6,6 +6,8 @@ What lives under a storage directory (see :mod:`ucm.store.posix` for the placeme
 - temp files: ``.*.tmp``, a dump in progress or left behind by a killed writer. A temp file is *stale* when its
   mtime is older than a given age (default :data:`DEFAULT_TMP_AGE_S`); a live writer finishes a block in well
   under that, so only stale temps are ever removed, which is safe with several instances sharing the directory;
+- namespace files: ``namespaces/<tag>.json`` directly under a storage directory, one per model namespace that
+  wrote blocks there (see :meth:`ucm.store.posix.PosixStore.set_namespace`); not listed by :func:`scan_store`;
 - anything else: never touched.
 
 Last use of a block is ``max(atime, mtime)``: a block file is never modified after its rename, so its mtime is its
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 FILE_SUFFIX = ".ucmb"
 TMP_SUFFIX = ".tmp"
+NAMESPACE_DIR = "namespaces"
 DEFAULT_TMP_AGE_S = 3600.0
 
 
@@ -62,13 +65,16 @@ class StoreScan:
 
 
 def _walk_files(root: str) -> Iterator[os.DirEntry[str]]:
-    """Regular files under ``root``, recursively; symlinks are neither followed nor listed."""
+    """Regular files under ``root``, recursively, except ``root/namespaces/``; symlinks are neither followed nor
+    listed."""
     stack = [root]
+    skip = os.path.join(root, NAMESPACE_DIR)
     while stack:
         with contextlib.suppress(FileNotFoundError), os.scandir(stack.pop()) as it:
             for entry in it:
                 if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
+                    if entry.path != skip:
+                        stack.append(entry.path)
                 elif entry.is_file(follow_symlinks=False):
                     yield entry
 

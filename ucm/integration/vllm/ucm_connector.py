@@ -16,6 +16,7 @@ A block that fails to load is reported to vLLM, which recomputes it: UCM sets vL
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,6 +103,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+            # The request namespace (rank 0's, as the scheduler keys it) tags the block files for operators' tools.
+            ns = namespace(vllm_config, self._spec, tp_rank=0)
+            self._store.set_namespace(ns.digest(), dataclasses.asdict(ns))
             self._worker = UCMWorker(
                 self._spec,
                 self._store,
