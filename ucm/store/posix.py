@@ -559,26 +559,48 @@ def _write_all(fd: int, data: memoryview) -> None:
         off += n
 
 
-def _read_full(f: io.FileIO, buf: memoryview) -> int:
-    """Read into ``buf`` until it is full or EOF; return the number of bytes read."""
-    off = 0
-    while off < buf.nbytes:
-        n = f.readinto(buf[off:])
-        if not n:
+def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Fill ``bufs`` in order from ``fd`` at ``offset`` with positional vectored reads (one ``preadv`` when the
+    kernel returns everything, as for a regular file); stop at EOF. Return the number of bytes read."""
+    views = [b for b in bufs if b.nbytes]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n <= 0:
             break
-        off += n
-    return off
+        total += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
 
 
 def _read_validated(f: io.FileIO, key: bytes, payload: memoryview) -> str | None:
-    """Read and check one block file into ``payload``; return ``None`` when valid, else the reason."""
-    header = bytearray(HEADER_NBYTES)
-    got = _read_full(f, memoryview(header))
-    if got != HEADER_NBYTES:
-        return f"file is {got} bytes, shorter than the {HEADER_NBYTES}-byte header"
+    """Read and check one block file into ``payload`` (a ``B``-format memoryview of the expected payload size);
+    return ``None`` when valid, else the reason.
+
+    When the file has the expected size, header and payload come in one ``preadv``; otherwise only the header is
+    read, to tell a foreign file (another version, codec or block size: the reason starts with ``"foreign: "``)
+    from a damaged one. Block files are never modified in place (written under a temp name, then renamed), so the
+    size checked by ``fstat`` is the size read.
+    """
+    fd = f.fileno()
+    size = os.fstat(fd).st_size
+    header = memoryview(bytearray(HEADER_NBYTES))
+    expected = HEADER_NBYTES + payload.nbytes
+    if size == expected:
+        got = _preadv_full(fd, [header, payload], 0)
+        if got != expected:
+            return f"file shrank while read: {got} of {expected} bytes"
+    else:
+        got = _preadv_full(fd, [header], 0)
+        if got != HEADER_NBYTES:
+            return f"file is {got} bytes, shorter than the {HEADER_NBYTES}-byte header"
     magic, version, codec, _ns_tag, nbytes, file_key, checksum = HEADER.unpack(header)
     if magic != MAGIC:
-        return f"bad magic {magic!r}, expected {MAGIC!r}"
+        return f"bad magic {bytes(magic)!r}, expected {MAGIC!r}"
     if version != FORMAT_VERSION:
         return f"{_FOREIGN}format version {version}, expected {FORMAT_VERSION}"
     if codec != CODEC_RAW:
@@ -587,14 +609,8 @@ def _read_validated(f: io.FileIO, key: bytes, payload: memoryview) -> str | None
         return f"{_FOREIGN}payload is {nbytes} bytes, expected {payload.nbytes}"
     if file_key != key:
         return f"file holds key {file_key.hex()}, expected {key.hex()}"
-    size = os.fstat(f.fileno()).st_size
-    if size != HEADER_NBYTES + nbytes:
-        return f"file is {size} bytes, expected {HEADER_NBYTES + nbytes}"
-    got = _read_full(f, payload)
-    if got != nbytes:
-        return f"payload truncated: {got} of {nbytes} bytes"
-    if f.read(1):
-        return "trailing bytes after the payload"
+    if size != expected:
+        return f"file is {size} bytes, expected {expected}"
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         return "checksum mismatch"
     return None

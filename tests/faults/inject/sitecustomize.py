@@ -24,28 +24,34 @@ def _matches(path: object, keys: list[str]) -> bool:
     return any(k in name for k in keys)
 
 
+_eio_fds: set[int] = set()  # descriptors of open files whose reads fail
+
+
+def _eio(*args, **kwargs):
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
 class _EioReader:
-    """Wraps an opened file; every read fails with EIO, like a bad sector."""
+    """Wraps an opened file; every read fails with EIO, like a bad sector (also positional reads on its fd)."""
 
     def __init__(self, f):
         self._f = f
+        _eio_fds.add(f.fileno())
 
-    def _fail(self, *args, **kwargs):
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    readinto = read = readall = _fail
+    readinto = read = readall = staticmethod(_eio)
 
     def fileno(self) -> int:
         return self._f.fileno()
 
     def close(self) -> None:
+        _eio_fds.discard(self._f.fileno())
         self._f.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._f.close()
+        self.close()
 
 
 if _SPEC:
@@ -76,6 +82,17 @@ if _SPEC:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return _real_os_write(fd, data)
 
+    _real_preadv = os.preadv
+    _real_pread = os.pread
+
+    def _os_preadv(fd, *args, **kwargs):
+        return _eio() if fd in _eio_fds else _real_preadv(fd, *args, **kwargs)
+
+    def _os_pread(fd, *args, **kwargs):
+        return _eio() if fd in _eio_fds else _real_pread(fd, *args, **kwargs)
+
     builtins.open = _open
+    os.preadv = _os_preadv
+    os.pread = _os_pread
     os.open = _os_open
     os.write = _os_write
