@@ -129,3 +129,29 @@ def test_storage_directory_deleted_replaced_and_restored(tiny_model, fault_promp
     # had seen them stored), recomputed them and stored them again.
     assert present == {0: [True, True], 1: [False, False], 2: [False, False], 3: [True, True]}
     _assert_all_valid(store)
+
+
+def test_storage_unmounted_and_mounted_again(tiny_model, fault_prompts, baseline, filled_store, tmp_path, mounted):
+    """The storage filesystem is unmounted while serving: nothing is written onto the bare mount point (ENODEV,
+    one warning); mounted again, caching resumes and the blocks written before are hits again."""
+    keys = filled_store[1]
+    backing = tmp_path / "backing"
+    mounted(["-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs"], backing)
+    store = tmp_path / "store"
+    mounted(["--bind", str(backing)], store)
+    prompts = [
+        fault_prompts[0],
+        {"prompt": fault_prompts[1], "before_cmd": f"{wait_for_blocks_cmd(store, 2)} && umount -l {store}"},
+        {"prompt": fault_prompts[2], "before_cmd": f"mount --bind {backing} {store}"},
+        fault_prompts[0],
+    ]
+    results, stderr = run_ucm(tiny_model, store, prompts, store_pipeline="Posix")
+    for got, want in zip(results, [baseline[i] for i in (0, 1, 2, 0)], strict=True):
+        assert_same_output(got, want)
+    assert len(warnings_of(stderr, "unmounted?")) == 1
+    assert _infos(stderr, "write works again")
+    assert results[3].hit_external == 2 and failed_loads(stderr) == 0
+    present = {i: [block_path(backing, k).exists() for k in keys[i]] for i in range(3)}
+    assert present == {0: [True, True], 1: [False, False], 2: [True, True]}
+    subprocess.run(["umount", "-l", str(store)], check=True)
+    assert not list(store.iterdir()), "blocks were written onto the bare mount point"

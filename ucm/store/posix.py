@@ -34,8 +34,9 @@ place.
 
 Files are created with mode ``0o600`` and shard directories with ``0o700`` (the process umask applies on top): only
 the serving user reads the KV it wrote. The storage directories themselves must exist or be creatable at start; a
-storage directory that disappears while serving (deleted, unmounted) is not re-created: dumps to it fail with one
-warning per error kind and loads miss, until it is back.
+storage directory that disappears while serving (deleted, or unmounted: found on another filesystem than at start)
+is not re-created nor written to: dumps to it fail with one warning per error kind (``ENOENT``, ``ENODEV``) and
+loads miss, until it is back.
 
 Faults never raise out of ``load``/``dump``: an ``OSError`` (``ENOSPC``, ``EROFS``, ``EACCES``, ``EIO``, ``ENOENT``,
 ...) fails the key, which the caller treats as a miss (load) or as a block not cached (dump). The first failure of
@@ -204,6 +205,9 @@ class PosixStore(UcmKVStoreBase):
         self._dirs = _split_backends(storage_backends)
         for d in self._dirs:
             _prepare_dir(d)
+        # The filesystem each directory is on at start: a directory found on another one later was unmounted (its
+        # mount point shows) and is not written to until it is back.
+        self._dir_devs = {d: os.stat(d).st_dev for d in self._dirs}
         self._capacity = capacity_bytes
         self._tmp_age_s = tmp_age_s
         self._gc_interval_s = gc_interval_s
@@ -235,8 +239,10 @@ class PosixStore(UcmKVStoreBase):
     def block_path(self, key: bytes) -> str:
         """Path of the file holding ``key``'s block (16-byte key), whether or not it exists."""
         h = key.hex()
-        d = self._dirs[int.from_bytes(key[:8], "little") % len(self._dirs)]
-        return os.path.join(d, h[0:2], h[2:4], h + FILE_SUFFIX)
+        return os.path.join(self._dir_of(key), h[0:2], h[2:4], h + FILE_SUFFIX)
+
+    def _dir_of(self, key: bytes) -> str:
+        return self._dirs[int.from_bytes(key[:8], "little") % len(self._dirs)]
 
     # -- contract -------------------------------------------------------------------------------------------
 
@@ -427,6 +433,9 @@ class PosixStore(UcmKVStoreBase):
         )
         fd = -1
         try:
+            root = self._dir_of(key)
+            if os.stat(root).st_dev != self._dir_devs[root]:
+                raise OSError(errno.ENODEV, f"storage directory {root} is not on its filesystem of start (unmounted?)")
             if not os.path.isdir(shard):
                 self._make_shard_dirs(shard)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
