@@ -199,10 +199,9 @@ def test_record_traces_not_available() -> None:
     assert "enable_record_traces" in config_error({"enable_record_traces": True})
 
 
-def test_io_direct_not_available() -> None:
-    msg = config_error(store_cfg(io_direct=True))
-    assert "io_direct" in msg
-    assert "allowed: false" in msg
+def test_io_direct_accepted() -> None:
+    assert config_from_extra_config(store_cfg(io_direct=True)).store.io_direct is True
+    assert "io_direct" in config_error(store_cfg(io_direct="yes"))
 
 
 def test_posix_io_engine_only_psync() -> None:

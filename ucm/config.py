@@ -53,7 +53,11 @@ class UcmPipelineStoreConfig(_Strict):
     cache_buffer_capacity_gb: float = Field(
         4.0, gt=0, description="Cache stage: DRAM capacity in GiB (LRU; blocks in use are never evicted)."
     )
-    io_direct: bool = Field(False, description="Posix stage: O_DIRECT I/O (not available yet; must be false).")
+    io_direct: bool = Field(
+        False,
+        description="Posix stage: O_DIRECT reads and writes (bypass the page cache); checked at start, refused "
+        "where the filesystem does not support it (e.g. tmpfs).",
+    )
     posix_io_engine: Literal["psync"] = Field(
         "psync", description="Posix stage: I/O engine; 'psync' = thread pool of positional reads/writes."
     )
@@ -97,13 +101,6 @@ class UcmPipelineStoreConfig(_Strict):
     def _dirs(cls, value: str) -> str:
         if not [d for d in value.split(":") if d.strip()]:
             raise ValueError(f"storage_backends {value!r} names no directory; give one path or several joined by ':'")
-        return value
-
-    @field_validator("io_direct")
-    @classmethod
-    def _no_direct_yet(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("io_direct: true is not available in this UCM version; allowed: false")
         return value
 
     @model_validator(mode="after")

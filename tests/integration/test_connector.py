@@ -206,3 +206,17 @@ def test_chunked_prefill_dumps_every_block_and_restart_hits(tiny_model, prompts,
     assert (warm[0].total_blocks, warm[0].hit_external) == (6, 6)
     assert failed_loads(stderr) == 0
     assert_same_output(warm[0], cold[0])
+
+
+def test_direct_io_store_restart_hits(tiny_model, prompts, tmp_path):
+    """``io_direct: true`` (O_DIRECT files): a restart loads every block and the output is identical; the files are
+    the same format a buffered store reads."""
+    store = tmp_path / "store"
+    spec = _spec(tiny_model, store, [{"prompt": prompts["p2"]}])
+    spec["connector"]["kv_connector_extra_config"]["ucm_connectors"][0]["ucm_connector_config"]["io_direct"] = True
+    cold, _ = run_engine(spec)
+    assert len(list(store.rglob("*.ucmb"))) == 6
+    warm, stderr = run_engine(spec)
+    assert (warm[0].hit_external, failed_loads(stderr)) == (6, 0)
+    assert_same_output(warm[0], cold[0])
+    assert "'io_direct': True" in stderr

@@ -46,7 +46,10 @@ def build_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
     for stage in reversed(stages):
         if stage == "Posix":
             store = PosixStore(
-                config.storage_dirs, io_threads=config.posix_io_threads, capacity_bytes=config.posix_capacity_bytes
+                config.storage_dirs,
+                io_threads=config.posix_io_threads,
+                capacity_bytes=config.posix_capacity_bytes,
+                io_direct=config.io_direct,
             )
         elif stage == "Cache":
             _warn_if_larger_than_memory(config.cache_buffer_capacity_bytes)

@@ -57,8 +57,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import json
+import mmap
 import os
 import secrets
 import struct
@@ -94,6 +94,7 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 GC_LOW_WATERMARK = 0.9  # a collection removes blocks down to this fraction of the capacity
 DEFAULT_GC_INTERVAL_S = 30.0
+DIRECT_ALIGN = 4096  # O_DIRECT: buffers, offsets and lengths in multiples of this (covers 512 B and 4 KiB sectors)
 # magic, version, codec, namespace tag, payload nbytes, key, checksum
 HEADER = struct.Struct("<4sHHIQ16sQ")
 HEADER_NBYTES = HEADER.size  # 44
@@ -180,11 +181,14 @@ class PosixStore(UcmKVStoreBase):
         tmp_age_s: temp files older than this (seconds, mtime) are removed at start as left by killed writers.
         gc_interval_s: with a capacity, how often (seconds) the directories are re-scanned while this process
             writes.
+        io_direct: read and write block files with ``O_DIRECT`` (bypassing the page cache) through per-thread
+            page-aligned buffers; files keep their exact size (the padded last unit is truncated away). Checked at
+            start on every directory.
 
     Raises:
         ValueError: ``storage_backends`` is empty or has an empty entry; a path exists but is not a directory,
             cannot be created, or is not writable; ``io_threads`` < 1; ``capacity_bytes`` <= 0; ``tmp_age_s`` or
-            ``gc_interval_s`` <= 0.
+            ``gc_interval_s`` <= 0; ``io_direct`` and a directory's filesystem refuses ``O_DIRECT``.
     """
 
     def __init__(
@@ -195,6 +199,7 @@ class PosixStore(UcmKVStoreBase):
         capacity_bytes: int | None = None,
         tmp_age_s: float = DEFAULT_TMP_AGE_S,
         gc_interval_s: float = DEFAULT_GC_INTERVAL_S,
+        io_direct: bool = False,
     ) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
@@ -208,6 +213,13 @@ class PosixStore(UcmKVStoreBase):
         # The filesystem each directory is on at start: a directory found on another one later was unmounted (its
         # mount point shows) and is not written to until it is back.
         self._dir_devs = {d: os.stat(d).st_dev for d in self._dirs}
+        self._direct: _AlignedBuffers | None = None
+        if io_direct:
+            if not hasattr(os, "O_DIRECT"):
+                raise ValueError("io_direct: true needs O_DIRECT, which this platform lacks; allowed: io_direct: false")
+            for d in self._dirs:
+                _check_direct_io(d)
+            self._direct = _AlignedBuffers()
         self._capacity = capacity_bytes
         self._tmp_age_s = tmp_age_s
         self._gc_interval_s = gc_interval_s
@@ -438,9 +450,20 @@ class PosixStore(UcmKVStoreBase):
                 raise OSError(errno.ENODEV, f"storage directory {root} is not on its filesystem of start (unmounted?)")
             if not os.path.isdir(shard):
                 self._make_shard_dirs(shard)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-            _write_all(fd, memoryview(header))
-            _write_all(fd, payload)
+            if self._direct is None:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+                _write_all(fd, memoryview(header))
+                _write_all(fd, payload)
+            else:  # one aligned write of header + payload + zero padding, then the padding is cut off
+                total = HEADER_NBYTES + payload.nbytes
+                buf = self._direct.get(_round_up(total))
+                buf[:HEADER_NBYTES] = header
+                buf[HEADER_NBYTES:total] = payload
+                buf[total:] = bytes(buf.nbytes - total)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, FILE_MODE)
+                _write_all(fd, buf)
+                if buf.nbytes != total:
+                    os.ftruncate(fd, total)
             os.close(fd)
             fd = -1
             os.replace(tmp, path)
@@ -459,13 +482,17 @@ class PosixStore(UcmKVStoreBase):
     def _load_one(self, key: bytes, row: torch.Tensor) -> bool:
         path = self.block_path(key)
         payload = row.numpy().data.cast("B")
+        flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
         try:
-            with open(path, "rb", buffering=0) as f:
-                reason = _read_validated(f, key, payload)
-                stat = os.fstat(f.fileno())
+            fd = os.open(path, flags)
+            try:
+                reason = _read_validated(fd, key, payload, self._direct)
+                stat = os.fstat(fd)
                 if reason is None:  # a hit: refresh the block's recency for garbage collection (best effort)
                     with contextlib.suppress(OSError):
-                        os.utime(f.fileno(), ns=(time.time_ns(), stat.st_mtime_ns))
+                        os.utime(fd, ns=(time.time_ns(), stat.st_mtime_ns))
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             logger.debug("posix store: block %s not found at %s", key.hex(), path)
             return False
@@ -586,27 +613,30 @@ def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
     return total
 
 
-def _read_validated(f: io.FileIO, key: bytes, payload: memoryview) -> str | None:
+def _read_validated(fd: int, key: bytes, payload: memoryview, direct: _AlignedBuffers | None = None) -> str | None:
     """Read and check one block file into ``payload`` (a ``B``-format memoryview of the expected payload size);
     return ``None`` when valid, else the reason.
 
     When the file has the expected size, header and payload come in one ``preadv``; otherwise only the header is
     read, to tell a foreign file (another version, codec or block size: the reason starts with ``"foreign: "``)
     from a damaged one. Block files are never modified in place (written under a temp name, then renamed), so the
-    size checked by ``fstat`` is the size read.
+    size checked by ``fstat`` is the size read. With ``direct`` (``fd`` opened with ``O_DIRECT``), the file is read
+    in whole ``DIRECT_ALIGN`` units into an aligned buffer, then the payload is copied into ``payload``.
     """
-    fd = f.fileno()
     size = os.fstat(fd).st_size
-    header = memoryview(bytearray(HEADER_NBYTES))
     expected = HEADER_NBYTES + payload.nbytes
-    if size == expected:
-        got = _preadv_full(fd, [header, payload], 0)
-        if got != expected:
-            return f"file shrank while read: {got} of {expected} bytes"
+    want = expected if size == expected else HEADER_NBYTES
+    if direct is not None:
+        buf = direct.get(_round_up(want))
+        got = _pread_direct(fd, buf)
+        header = buf[:HEADER_NBYTES]
     else:
-        got = _preadv_full(fd, [header], 0)
-        if got != HEADER_NBYTES:
-            return f"file is {got} bytes, shorter than the {HEADER_NBYTES}-byte header"
+        header = memoryview(bytearray(HEADER_NBYTES))
+        got = _preadv_full(fd, [header, payload] if want == expected else [header], 0)
+    if got < want:
+        if want == expected:
+            return f"file shrank while read: {got} of {expected} bytes"
+        return f"file is {got} bytes, shorter than the {HEADER_NBYTES}-byte header"
     magic, version, codec, _ns_tag, nbytes, file_key, checksum = HEADER.unpack(header)
     if magic != MAGIC:
         return f"bad magic {bytes(magic)!r}, expected {MAGIC!r}"
@@ -620,6 +650,68 @@ def _read_validated(f: io.FileIO, key: bytes, payload: memoryview) -> str | None
         return f"file holds key {file_key.hex()}, expected {key.hex()}"
     if size != expected:
         return f"file is {size} bytes, expected {expected}"
+    if direct is not None:
+        payload[:] = buf[HEADER_NBYTES:expected]
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         return "checksum mismatch"
     return None
+
+
+def _round_up(n: int) -> int:
+    return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+def _pread_direct(fd: int, buf: memoryview) -> int:
+    """Read from offset 0 into the aligned ``buf`` (a multiple of ``DIRECT_ALIGN`` bytes) with ``O_DIRECT``
+    semantics: every read starts at an aligned offset; a read ending off alignment is the end of the file."""
+    off = 0
+    while off < buf.nbytes:
+        n = os.preadv(fd, [buf[off:]], off)
+        if n <= 0:
+            break
+        off += n
+        if off % DIRECT_ALIGN:
+            break
+    return off
+
+
+class _AlignedBuffers:
+    """Per-thread page-aligned buffers for ``O_DIRECT`` I/O (anonymous ``mmap``s, grown on demand, reused)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, nbytes: int) -> memoryview:
+        """A ``DIRECT_ALIGN``-aligned writable buffer of ``nbytes`` bytes, owned by the calling thread."""
+        mm: mmap.mmap | None = getattr(self._local, "mm", None)
+        if mm is None or len(mm) < nbytes:  # the old map is freed with its last view
+            mm = mmap.mmap(-1, _round_up(max(nbytes, 1)))
+            self._local.mm = mm
+            self._local.view = memoryview(mm)
+        view: memoryview = self._local.view
+        return view[:nbytes]
+
+
+def _check_direct_io(path: str) -> None:
+    """Write and read one aligned unit with ``O_DIRECT`` in directory ``path``.
+
+    Raises:
+        ValueError: the filesystem refuses ``O_DIRECT`` (e.g. tmpfs: EINVAL), naming the directory and the error.
+    """
+    probe = os.path.join(path, f".odirect-probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    buf = _AlignedBuffers().get(DIRECT_ALIGN)
+    fd = -1
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, FILE_MODE)
+        _write_all(fd, buf)
+        os.preadv(fd, [buf], 0)
+    except OSError as exc:
+        raise ValueError(
+            f"storage backend {path!r} refuses O_DIRECT I/O (io_direct: true): {exc.strerror or exc}; "
+            "allowed on this filesystem: io_direct: false"
+        ) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)

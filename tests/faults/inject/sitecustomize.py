@@ -3,7 +3,8 @@
 Only for the faults that cannot be caused for real on this machine (EIO needs failing hardware or a device-mapper
 ``error`` target). ``UCM_TEST_FAULTS`` is a JSON object; each list names block keys (hex) whose files misbehave:
 
-- ``"read_eio"``: reading a block file (``*.ucmb``) of one of these keys fails with ``EIO`` after it was opened;
+- ``"read_eio"``: reading a block file (``*.ucmb``) of one of these keys fails with ``EIO`` after it was opened
+  (``os.open`` then ``os.pread``/``os.preadv``, as the Posix store reads);
 - ``"write_eio"``: writing the temp file of one of these keys fails with ``EIO``.
 
 Without ``UCM_TEST_FAULTS`` nothing is patched.
@@ -11,7 +12,6 @@ Without ``UCM_TEST_FAULTS`` nothing is patched.
 
 from __future__ import annotations
 
-import builtins
 import errno
 import json
 import os
@@ -24,57 +24,32 @@ def _matches(path: object, keys: list[str]) -> bool:
     return any(k in name for k in keys)
 
 
-_eio_fds: set[int] = set()  # descriptors of open files whose reads fail
+_eio_fds: set[int] = set()  # descriptors of open block files whose reads fail
 
 
 def _eio(*args, **kwargs):
     raise OSError(errno.EIO, os.strerror(errno.EIO))
 
 
-class _EioReader:
-    """Wraps an opened file; every read fails with EIO, like a bad sector (also positional reads on its fd)."""
-
-    def __init__(self, f):
-        self._f = f
-        _eio_fds.add(f.fileno())
-
-    readinto = read = readall = staticmethod(_eio)
-
-    def fileno(self) -> int:
-        return self._f.fileno()
-
-    def close(self) -> None:
-        _eio_fds.discard(self._f.fileno())
-        self._f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 if _SPEC:
     _faults = json.loads(_SPEC)
     _read_eio = list(_faults.get("read_eio", []))
     _write_eio = list(_faults.get("write_eio", []))
-    _real_open = builtins.open
     _real_os_open = os.open
     _real_os_write = os.write
+    _real_preadv = os.preadv
+    _real_pread = os.pread
     _bad_fds: set[int] = set()
-
-    def _open(file, *args, **kwargs):
-        f = _real_open(file, *args, **kwargs)
-        if _read_eio and str(file).endswith(".ucmb") and _matches(file, _read_eio):
-            return _EioReader(f)
-        return f
 
     def _os_open(path, flags, *args, **kwargs):
         fd = _real_os_open(path, flags, *args, **kwargs)
-        if _write_eio and flags & os.O_WRONLY and _matches(path, _write_eio):
-            _bad_fds.add(fd)
-        else:
-            _bad_fds.discard(fd)
+        _bad_fds.discard(fd)
+        _eio_fds.discard(fd)
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            if _write_eio and _matches(path, _write_eio):
+                _bad_fds.add(fd)
+        elif _read_eio and os.fsdecode(path).endswith(".ucmb") and _matches(path, _read_eio):
+            _eio_fds.add(fd)
         return fd
 
     def _os_write(fd, data):
@@ -82,17 +57,13 @@ if _SPEC:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return _real_os_write(fd, data)
 
-    _real_preadv = os.preadv
-    _real_pread = os.pread
-
     def _os_preadv(fd, *args, **kwargs):
         return _eio() if fd in _eio_fds else _real_preadv(fd, *args, **kwargs)
 
     def _os_pread(fd, *args, **kwargs):
         return _eio() if fd in _eio_fds else _real_pread(fd, *args, **kwargs)
 
-    builtins.open = _open
-    os.preadv = _os_preadv
-    os.pread = _os_pread
     os.open = _os_open
     os.write = _os_write
+    os.preadv = _os_preadv
+    os.pread = _os_pread
