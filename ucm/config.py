@@ -148,7 +148,9 @@ class UcmConfig(_Strict):
         description="Store connectors; this version takes exactly one UcmPipelineStore.",
     )
     enable_event_sync: bool = Field(
-        True, description="Device builds: gathers wait on the compute stream's event. No effect on CPU."
+        True,
+        description="Accepted; no effect in this version: the gather runs on the compute stream after the forward "
+        "pass (device builds) or synchronously (CPU), so it always sees the step's KV.",
     )
     use_layerwise: bool = Field(False, description="Layer-by-layer load/dump (not available yet; must be false).")
     enable_record_traces: bool = Field(False, description="Record per-transfer traces (not available yet).")

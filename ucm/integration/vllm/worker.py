@@ -134,7 +134,11 @@ class UCMWorker:
         )
 
     def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
-        """Gather the step's newly full blocks and start their dump (the store finishes writing in background)."""
+        """Gather the step's newly full blocks and start their dump; return once the gather is done.
+
+        The gather copies the blocks out of vLLM's paged KV into a fresh staging buffer, so vLLM may reuse those
+        blocks as soon as this returns; the store writes the staging buffer in the background (kept alive until its
+        task is done, reaped on later steps and at :meth:`shutdown`)."""
         self._reap_dumps(block=False)
         if not meta.dumps or self._layout is None:
             return
