@@ -1,6 +1,6 @@
 """Store bandwidth: dump and load GB/s of the real UCM stores against raw file I/O of the same bytes.
 
-Run ``python benchmarks/store_bandwidth.py [--total-gb 2] [--repeats 3] [--dir DIR] [--io-engine psync]
+Run ``python benchmarks/store_bandwidth.py [--total-gb 2] [--repeats 3] [--dir DIR] [--io-engine psync|aio]
 [--io-direct]``. GB = 1e9 bytes; GB/s counts block payload bytes only (the store's 44-byte file headers are not
 counted, so they count against the store).
 
@@ -558,7 +558,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where to write (a temp dir inside it; default: inside the repo)")
     p.add_argument("--stores", nargs="+", default=list(STORES), help="store pipelines to measure")
     p.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS), help="block sizes")
-    p.add_argument("--io-engine", default="psync", help="posix_io_engine of the store config (psync, aio, ...)")
+    p.add_argument("--io-engine", default="psync", help="posix_io_engine of the store config: psync or aio")
     p.add_argument("--io-direct", action="store_true", help="io_direct: true in the store config; raw I/O O_DIRECT")
     p.add_argument("--io-threads", type=int, default=None, help="posix_io_threads (default: the config's)")
     p.add_argument("--cache-gb", type=float, default=None, help="cache_buffer_capacity_gb (default: the config's)")

@@ -204,11 +204,18 @@ def test_io_direct_accepted() -> None:
     assert "io_direct" in config_error(store_cfg(io_direct="yes"))
 
 
-def test_posix_io_engine_only_psync() -> None:
-    msg = config_error(store_cfg(posix_io_engine="aio"))
-    assert "posix_io_engine" in msg
-    assert "'aio'" in msg
-    assert "psync" in msg
+def test_posix_io_engine_psync_or_aio() -> None:
+    assert config_from_extra_config(store_cfg()).store.posix_io_engine == "psync"
+    assert config_from_extra_config(store_cfg(posix_io_engine="aio")).store.posix_io_engine == "aio"
+    msg = config_error(store_cfg(posix_io_engine="libaio"))
+    assert "posix_io_engine" in msg and "'libaio'" in msg
+    assert "'psync'" in msg and "'aio'" in msg
+
+
+def test_posix_io_engine_aio_refuses_io_direct() -> None:
+    msg = config_error(store_cfg(posix_io_engine="aio", io_direct=True))
+    assert "posix_io_engine: aio" in msg and "io_direct: true" in msg
+    assert "allowed: io_direct: false with aio, or posix_io_engine: psync with io_direct: true" in msg
 
 
 @pytest.mark.parametrize(

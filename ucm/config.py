@@ -58,8 +58,11 @@ class UcmPipelineStoreConfig(_Strict):
         description="Posix stage: O_DIRECT reads and writes (bypass the page cache); checked at start, refused "
         "where the filesystem does not support it (e.g. tmpfs).",
     )
-    posix_io_engine: Literal["psync"] = Field(
-        "psync", description="Posix stage: I/O engine; 'psync' = thread pool of positional reads/writes."
+    posix_io_engine: Literal["psync", "aio"] = Field(
+        "psync",
+        description="Posix stage: I/O engine; 'psync' = thread pool of positional reads/writes, 'aio' = io_uring "
+        "readv/writev with many blocks in flight (liburing; buffered I/O only; refused at start where io_uring is "
+        "not usable).",
     )
     posix_io_threads: int = Field(8, ge=1, le=256, description="Posix stage: I/O threads per process.")
     posix_capacity_gb: float | None = Field(
@@ -113,6 +116,15 @@ class UcmPipelineStoreConfig(_Strict):
                     f"{', '.join(changed)} only apply to a pipeline with a Compress stage; "
                     f"store_pipeline is {self.store_pipeline!r}: remove them or leave the defaults {defaults}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _aio_is_buffered(self) -> UcmPipelineStoreConfig:
+        if self.posix_io_engine == "aio" and self.io_direct:
+            raise ValueError(
+                "posix_io_engine: aio does not support io_direct: true in this version; allowed: io_direct: false "
+                "with aio, or posix_io_engine: psync with io_direct: true"
+            )
         return self
 
     @property

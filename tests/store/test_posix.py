@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.store.blocks import make_blocks, make_keys, poisoned
+from ucm.store import posix_uring
 from ucm.store.base import Task, TaskResult
 from ucm.store.posix import FILE_SUFFIX, FORMAT_VERSION, HEADER, HEADER_NBYTES, MAGIC, TMP_SUFFIX, PosixStore
 
@@ -24,10 +28,23 @@ def all_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
 
-@pytest.fixture(params=[False, True], ids=["buffered", "direct"])
+# (io_engine, io_direct): every engine and I/O mode the store supports (aio is buffered only).
+STORE_MODES = [("psync", False), ("psync", True), ("aio", False)]
+
+
+@pytest.fixture(params=STORE_MODES, ids=["psync-buffered", "psync-direct", "aio-buffered"])
 def store(tmp_path: Path, request: pytest.FixtureRequest):
-    """A store on a temp directory (ext4 here), with buffered and with O_DIRECT I/O."""
-    s = PosixStore(str(tmp_path / "kv"), io_direct=request.param)
+    """A store on a temp directory (ext4 here), for each engine and I/O mode."""
+    io_engine, io_direct = request.param
+    s = PosixStore(str(tmp_path / "kv"), io_direct=io_direct, io_engine=io_engine)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def aio_store(tmp_path: Path):
+    """An io_uring store on a temp directory."""
+    s = PosixStore(str(tmp_path / "kv"), io_engine="aio")
     yield s
     s.close()
 
@@ -453,3 +470,159 @@ def test_direct_io_refused_names_the_directory(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(ValueError, match=r"refuses O_DIRECT I/O \(io_direct: true\): Invalid argument"):
         PosixStore(str(target), io_direct=True)
     assert not list(target.iterdir())  # no probe file left
+
+
+# -- aio engine (io_uring) ----------------------------------------------------------------------------------------
+
+
+def test_aio_refused_when_io_uring_is_unusable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel refusing io_uring (kernel.io_uring_disabled, seccomp: EPERM at setup) stops start-up with an error
+    naming the engine, the reason and the allowed engine; no silent fallback to psync. Injected: this machine's
+    kernel allows io_uring."""
+    import errno
+
+    import liburing
+
+    def refused(entries, ring, *args):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(liburing, "io_uring_queue_init", refused)
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match=r"posix_io_engine: aio .*Operation not permitted.*allowed: psync"):
+        PosixStore(str(tmp_path / "kv"), io_engine="aio")
+    assert set(threading.enumerate()) == before  # nothing left running
+
+
+def test_aio_refused_without_liburing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "liburing", None)  # import liburing raises ImportError
+    with pytest.raises(ValueError, match=r"posix_io_engine: aio needs the 'liburing' package.*allowed: psync"):
+        PosixStore(str(tmp_path / "kv"), io_engine="aio")
+
+
+def test_aio_refuses_io_direct_and_unknown_engines(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="allowed: io_direct: false with aio, or posix_io_engine: psync"):
+        PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=True)
+    with pytest.raises(ValueError, match="'psync' or 'aio', got 'libaio'"):
+        PosixStore(str(tmp_path / "kv"), io_engine="libaio")  # type: ignore[arg-type]
+
+
+def test_aio_many_blocks_in_flight(aio_store: PosixStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 keys in one call: the io_uring fills to its full depth (the first completion is held until then), and
+    every block loads byte-exact."""
+    uring = aio_store._uring
+    assert uring is not None
+    depth = posix_uring.DEFAULT_DEPTH
+    peak = {"n": 0}
+
+    def held(real):
+        def complete(*args):
+            if peak["n"] == 0:  # the first completion: wait until the ring is full
+                deadline = time.monotonic() + 30
+                while len(uring._ops) < depth and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                peak["n"] = len(uring._ops)
+            return real(*args)
+
+        return complete
+
+    keys = make_keys(256, seed=60)
+    src = make_blocks(256, 12_289, seed=61)
+    monkeypatch.setattr(aio_store, "_dump_complete", held(aio_store._dump_complete))
+    assert aio_store.wait(aio_store.dump(keys, src)) == TaskResult(256)
+    assert peak["n"] == depth
+    peak["n"] = 0
+    monkeypatch.setattr(aio_store, "_load_complete", held(aio_store._load_complete))
+    dst = poisoned(256, 12_289)
+    assert aio_store.wait(aio_store.load(keys, dst)) == TaskResult(256)
+    assert peak["n"] == depth
+    assert torch.equal(dst, src)
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past ``limit`` bytes of a file fail (RLIMIT_FSIZE: a short write, then EFBIG) in this context;
+    SIGXFSZ is ignored so that the failure is an error return, not a signal."""
+    import resource
+    import signal
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+@pytest.mark.parametrize("limit", [0, 8192], ids=["efbig", "short_write"])
+def test_write_past_file_size_limit_fails(store: PosixStore, tmp_path: Path, limit: int, ucm_log) -> None:
+    """A real write failure in the data transfer (file size limit: the kernel refuses the write, or writes 8 KiB of
+    each file and stops short): every key fails, no temp file remains, one warning; the next dump works again."""
+    keys = make_keys(8, seed=62)
+    src = make_blocks(8, 20_000, seed=63)
+    with file_size_limit(limit):
+        assert store.wait(store.dump(keys, src)).failed == set(range(8))
+    assert all_files(tmp_path / "kv") == []
+    warnings = [r.getMessage() for r in ucm_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot write" in warnings[0]
+    assert store.wait(store.dump(keys, src)).ok
+    dst = poisoned(8, 20_000)
+    assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
+
+
+def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() right after a dump of 256 blocks: the first completion is held until close has begun, so operations
+    are in flight when it does; close drains them (every key stored), stops the reaper and exits the ring."""
+    store = PosixStore(str(tmp_path / "kv"), io_engine="aio")
+    uring = store._uring
+    assert uring is not None
+    real = store._dump_complete
+    in_flight_at_close = {"n": -1}
+
+    def complete(*args):
+        if in_flight_at_close["n"] < 0:
+            deadline = time.monotonic() + 30
+            while not store._closed and time.monotonic() < deadline:
+                time.sleep(0.001)
+            in_flight_at_close["n"] = len(uring._ops) + 1  # this one included
+        return real(*args)
+
+    monkeypatch.setattr(store, "_dump_complete", complete)
+    keys = make_keys(256, seed=64)
+    src = make_blocks(256, 5_000, seed=65)
+    task = store.dump(keys, src)
+    store.close()
+    assert in_flight_at_close["n"] > 1
+    assert task.done() and task.result() == TaskResult(256)
+    assert not uring._reaper.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ucm-posix") and t.is_alive()]
+    reader = PosixStore(str(tmp_path / "kv"))
+    dst = poisoned(256, 5_000)
+    assert reader.wait(reader.load(keys, dst)).ok and torch.equal(dst, src)
+    reader.close()
+
+
+def test_pipeline_builds_aio_store(tmp_path: Path) -> None:
+    from ucm.config import config_from_extra_config
+    from ucm.store.pipeline import build_store
+
+    extra = {
+        "ucm_connectors": [
+            {
+                "ucm_connector_config": {
+                    "store_pipeline": "Posix",
+                    "storage_backends": str(tmp_path),
+                    "posix_io_engine": "aio",
+                }
+            }
+        ]
+    }
+    store = build_store(config_from_extra_config(extra).store)
+    assert isinstance(store, PosixStore) and store._uring is not None
+    keys = make_keys(3, seed=66)
+    src = make_blocks(3, 4099, seed=67)
+    assert store.wait(store.dump(keys, src)).ok
+    dst = poisoned(3, 4099)
+    assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
+    store.close()

@@ -246,7 +246,7 @@ def verify_file(path: str) -> tuple[str | None, os.stat_result]:
                     return f"file is {st.st_size} bytes, expected {HEADER_NBYTES + nbytes}", st
                 payload_nbytes = nbytes
         # Other headers get an empty buffer: _read_validated rejects them (bad magic, foreign) before the size.
-        reason = _read_validated(fd, key, memoryview(bytearray(payload_nbytes)))
+        reason = _read_validated(fd, st.st_size, key, memoryview(bytearray(payload_nbytes)))
         after = os.fstat(fd)
         if after.st_atime_ns != st.st_atime_ns:  # O_NOATIME was refused: put the atime back (best effort)
             with contextlib.suppress(OSError):

@@ -50,6 +50,7 @@ def build_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
                 io_threads=config.posix_io_threads,
                 capacity_bytes=config.posix_capacity_bytes,
                 io_direct=config.io_direct,
+                io_engine=config.posix_io_engine,
             )
         elif stage == "Cache":
             _warn_if_larger_than_memory(config.cache_buffer_capacity_bytes)

@@ -66,8 +66,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import xxhash
@@ -84,6 +85,7 @@ from ucm.store.posix_scan import (
     gc_plan,
     scan_store,
 )
+from ucm.store.posix_uring import Uring
 
 logger = init_logger(__name__)
 
@@ -170,8 +172,10 @@ class PosixStore(UcmKVStoreBase):
     """Store stage keeping one file per block on POSIX directories (local SSD, NFS, 3FS...).
 
     Buffers follow the contract of :mod:`ucm.store.base`: CPU ``torch.uint8`` tensors
-    ``[num_keys, block_nbytes]``, one row per key. Loads and dumps run on a thread pool, one file per job. See the
-    module docstring for the file format, fault handling and garbage collection.
+    ``[num_keys, block_nbytes]``, one row per key. Loads and dumps run on a thread pool, one file per job; with the
+    ``aio`` engine the pool only opens files and queues their data transfer on an io_uring (see
+    :mod:`ucm.store.posix_uring`), whose reaper thread validates, closes and renames. See the module docstring for
+    the file format, fault handling and garbage collection.
 
     Args:
         storage_backends: one directory, several joined by ``':'``, or a sequence of directories. Missing
@@ -184,11 +188,15 @@ class PosixStore(UcmKVStoreBase):
         io_direct: read and write block files with ``O_DIRECT`` (bypassing the page cache) through per-thread
             page-aligned buffers; files keep their exact size (the padded last unit is truncated away). Checked at
             start on every directory.
+        io_engine: ``"psync"``: the pool threads read and write with positional syscalls (``preadv``/``write``);
+            ``"aio"``: block data moves through io_uring ``readv``/``writev`` with many blocks in flight (needs the
+            ``liburing`` package and a kernel allowing io_uring; buffered I/O only).
 
     Raises:
         ValueError: ``storage_backends`` is empty or has an empty entry; a path exists but is not a directory,
             cannot be created, or is not writable; ``io_threads`` < 1; ``capacity_bytes`` <= 0; ``tmp_age_s`` or
-            ``gc_interval_s`` <= 0; ``io_direct`` and a directory's filesystem refuses ``O_DIRECT``.
+            ``gc_interval_s`` <= 0; ``io_direct`` and a directory's filesystem refuses ``O_DIRECT``; an unknown
+            ``io_engine``, ``aio`` with ``io_direct``, or ``aio`` where io_uring is not usable (no silent fallback).
     """
 
     def __init__(
@@ -200,6 +208,7 @@ class PosixStore(UcmKVStoreBase):
         tmp_age_s: float = DEFAULT_TMP_AGE_S,
         gc_interval_s: float = DEFAULT_GC_INTERVAL_S,
         io_direct: bool = False,
+        io_engine: Literal["psync", "aio"] = "psync",
     ) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
@@ -207,6 +216,13 @@ class PosixStore(UcmKVStoreBase):
             raise ValueError(f"capacity_bytes must be > 0 or None (unbounded), got {capacity_bytes}")
         if tmp_age_s <= 0 or gc_interval_s <= 0:
             raise ValueError(f"tmp_age_s and gc_interval_s must be > 0, got {tmp_age_s} and {gc_interval_s}")
+        if io_engine not in ("psync", "aio"):
+            raise ValueError(f"posix_io_engine must be 'psync' or 'aio', got {io_engine!r}")
+        if io_engine == "aio" and io_direct:
+            raise ValueError(
+                "posix_io_engine: aio does not support io_direct: true in this version; allowed: io_direct: false "
+                "with aio, or posix_io_engine: psync with io_direct: true"
+            )
         self._dirs = _split_backends(storage_backends)
         for d in self._dirs:
             _prepare_dir(d)
@@ -220,12 +236,16 @@ class PosixStore(UcmKVStoreBase):
             for d in self._dirs:
                 _check_direct_io(d)
             self._direct = _AlignedBuffers()
+        # Last of the checks that may refuse the start: nothing is left running when it raises.
+        self._uring: Uring | None = Uring() if io_engine == "aio" else None
         self._capacity = capacity_bytes
         self._tmp_age_s = tmp_age_s
         self._gc_interval_s = gc_interval_s
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ucm-posix")
         self._closed = False
         self._close_lock = threading.Lock()
+        self._tasks: set[Future[TaskResult]] = set()  # aio: tasks not done yet, which close waits for
+        self._tasks_lock = threading.Lock()
         self._faults = _FaultLog()
         self._ns_tag = 0
         # Capacity accounting: block bytes found by the last scan plus what this process wrote since.
@@ -284,7 +304,12 @@ class PosixStore(UcmKVStoreBase):
             RuntimeError: the store is closed.
         """
         check_keys_and_buffer(keys, dst, "dst")
-        return self._submit_all(keys, lambda i: self._load_one(keys[i], dst[i]), "load")
+        return self._submit_all(
+            keys,
+            lambda i: self._load_one(keys[i], dst[i]),
+            lambda i, done: self._load_start(keys[i], dst[i], done),
+            "load",
+        )
 
     def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
         """Start writing the rows of ``src`` (uint8 ``[len(keys), block_nbytes]``) as the blocks of ``keys``.
@@ -297,7 +322,12 @@ class PosixStore(UcmKVStoreBase):
             RuntimeError: the store is closed.
         """
         check_keys_and_buffer(keys, src, "src")
-        return self._submit_all(keys, lambda i: self._dump_one(keys[i], src[i]), "dump")
+        return self._submit_all(
+            keys,
+            lambda i: self._dump_one(keys[i], src[i]),
+            lambda i, done: self._dump_start(keys[i], src[i], done),
+            "dump",
+        )
 
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
         """Tag the blocks dumped from now on with ``namespace_tag(tag)`` (header field) and describe the namespace
@@ -331,13 +361,22 @@ class PosixStore(UcmKVStoreBase):
                 logger.warning("posix store: cannot write namespace file %s: %s", path, exc)
 
     def close(self) -> None:
-        """Wait for the running I/O jobs, stop the worker threads and, with a capacity, run a last collection so
-        that the directories are within it. Idempotent."""
+        """Wait for the running I/O jobs (with ``aio``, until the io_uring has no operation in flight), stop the
+        worker threads and, with a capacity, run a last collection so that the directories are within it.
+        Idempotent."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        if self._uring is not None:
+            # An io_uring request is cancelled when the thread that submitted it exits: let every task finish
+            # (its operations completed) before the pool's threads stop.
+            with self._tasks_lock:
+                tasks = list(self._tasks)
+            futures_wait(tasks)
         self._pool.shutdown(wait=True)
+        if self._uring is not None:  # nothing in flight: stop the reaper, release the ring
+            self._uring.close()
         self._stop.set()
         self._wakeup.set()
         self._maintenance.join()
@@ -412,15 +451,37 @@ class PosixStore(UcmKVStoreBase):
         if over:
             self._wakeup.set()
 
-    def _submit_all(self, keys: Sequence[bytes], job: Callable[[int], bool], what: str) -> Task:
+    def _submit_all(
+        self,
+        keys: Sequence[bytes],
+        job: Callable[[int], bool],
+        aio_job: Callable[[int, Future[bool]], None],
+        what: str,
+    ) -> Task:
+        """Run ``job(i)`` (psync: the whole transfer, returns success) or ``aio_job(i, done)`` (aio: opens and
+        queues the transfer; ``done`` is resolved by the job on an early failure, else by the io_uring reaper) for
+        every key on the pool."""
         if self._closed:
             raise RuntimeError("PosixStore is closed")
         if not keys:
             return Task.completed(TaskResult(0))
         gather = _Gather(len(keys), what)
+        if self._uring is not None:
+            with self._tasks_lock:
+                self._tasks.add(gather.future)
+            gather.future.add_done_callback(self._task_done)
         for i in range(len(keys)):
-            gather.add(i, self._pool.submit(job, i))
+            if self._uring is None:
+                gather.add(i, self._pool.submit(job, i))
+            else:
+                done: Future[bool] = Future()
+                gather.add(i, done)
+                self._pool.submit(_resolve_on_error, aio_job, i, done)
         return Task(gather.future)
+
+    def _task_done(self, future: Future[TaskResult]) -> None:
+        with self._tasks_lock:
+            self._tasks.discard(future)
 
     def _make_shard_dirs(self, shard: str) -> None:
         """Create the two shard levels below an existing storage directory (never the storage directory itself:
@@ -430,10 +491,11 @@ class PosixStore(UcmKVStoreBase):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(d, DIR_MODE)
 
-    def _dump_one(self, key: bytes, row: torch.Tensor) -> bool:
+    def _dump_prepare(self, key: bytes, row: torch.Tensor) -> tuple[str, str, bytes, memoryview] | None:
+        """``(path, temp path, header, payload)`` of ``key``'s block, or ``None`` when its file already exists."""
         path = self.block_path(key)
         if os.path.exists(path):
-            return True
+            return None
         shard, name = os.path.split(path)
         tmp = os.path.join(
             shard,
@@ -443,13 +505,39 @@ class PosixStore(UcmKVStoreBase):
         header = HEADER.pack(
             MAGIC, FORMAT_VERSION, CODEC_RAW, self._ns_tag, payload.nbytes, key, xxhash.xxh3_64_intdigest(payload)
         )
+        return path, tmp, header, payload
+
+    def _dump_dirs_ready(self, key: bytes, shard: str) -> None:
+        """Check that ``key``'s storage directory is still the one of start; create its shard directories."""
+        root = self._dir_of(key)
+        if os.stat(root).st_dev != self._dir_devs[root]:
+            raise OSError(errno.ENODEV, f"storage directory {root} is not on its filesystem of start (unmounted?)")
+        if not os.path.isdir(shard):
+            self._make_shard_dirs(shard)
+
+    def _dump_failed(self, key: bytes, path: str, tmp: str, fd: int, exc: OSError) -> bool:
+        """A failed write, either engine: close ``fd`` (when >= 0), remove the temp file, log; returns False."""
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        self._faults.failed("write", exc, f"block {key.hex()} to {path}")
+        return False
+
+    def _dump_succeeded(self, nbytes: int) -> bool:
+        self._faults.succeeded("write")
+        self._account_write(nbytes)
+        return True
+
+    def _dump_one(self, key: bytes, row: torch.Tensor) -> bool:
+        prepared = self._dump_prepare(key, row)
+        if prepared is None:
+            return True
+        path, tmp, header, payload = prepared
         fd = -1
         try:
-            root = self._dir_of(key)
-            if os.stat(root).st_dev != self._dir_devs[root]:
-                raise OSError(errno.ENODEV, f"storage directory {root} is not on its filesystem of start (unmounted?)")
-            if not os.path.isdir(shard):
-                self._make_shard_dirs(shard)
+            self._dump_dirs_ready(key, os.path.dirname(path))
             if self._direct is None:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
                 _write_all(fd, memoryview(header))
@@ -468,41 +556,130 @@ class PosixStore(UcmKVStoreBase):
             fd = -1
             os.replace(tmp, path)
         except OSError as exc:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            return self._dump_failed(key, path, tmp, fd, exc)
+        return self._dump_succeeded(HEADER_NBYTES + payload.nbytes)
+
+    def _dump_start(self, key: bytes, row: torch.Tensor, done: Future[bool]) -> None:
+        """aio dump, on a pool thread: create the temp file and queue header + payload as one ``writev``; the
+        reaper finishes in :meth:`_dump_complete`."""
+        assert self._uring is not None
+        prepared = self._dump_prepare(key, row)
+        if prepared is None:
+            done.set_result(True)
+            return
+        path, tmp, header, payload = prepared
+        fd = -1
+        try:
+            self._dump_dirs_ready(key, os.path.dirname(path))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        except OSError as exc:
+            done.set_result(self._dump_failed(key, path, tmp, fd, exc))
+            return
+        total = HEADER_NBYTES + payload.nbytes
+        bufs = [memoryview(header), payload] if payload.nbytes else [memoryview(header)]
+
+        def complete(res: int) -> None:
+            done.set_result(self._dump_complete(key, path, tmp, fd, total, res))
+
+        try:
+            self._uring.submit(fd, bufs, 0, True, complete)
+        except BaseException:
+            os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            self._faults.failed("write", exc, f"block {key.hex()} to {path}")
-            return False
-        self._faults.succeeded("write")
-        self._account_write(HEADER_NBYTES + payload.nbytes)
-        return True
+            raise
+
+    def _dump_complete(self, key: bytes, path: str, tmp: str, fd: int, total: int, res: int) -> bool:
+        """aio dump, on the reaper: ``res`` is the ``writev`` result; a short write or an error fails the key."""
+        try:
+            if res < 0:
+                raise OSError(-res, os.strerror(-res))
+            if res != total:
+                raise OSError(errno.EIO, f"short write: {res} of {total} bytes")
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
+        except OSError as exc:
+            return self._dump_failed(key, path, tmp, fd, exc)
+        return self._dump_succeeded(total)
 
     def _load_one(self, key: bytes, row: torch.Tensor) -> bool:
         path = self.block_path(key)
         payload = row.numpy().data.cast("B")
         flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
+        reason: str | OSError | None
+        stat: os.stat_result | None = None
         try:
             fd = os.open(path, flags)
             try:
-                reason = _read_validated(fd, key, payload, self._direct)
                 stat = os.fstat(fd)
-                if reason is None:  # a hit: refresh the block's recency for garbage collection (best effort)
-                    with contextlib.suppress(OSError):
-                        os.utime(fd, ns=(time.time_ns(), stat.st_mtime_ns))
+                reason = _read_validated(fd, stat.st_size, key, payload, self._direct)
+                if reason is None:
+                    _touch(fd, stat)
             finally:
                 os.close(fd)
-        except FileNotFoundError:
+        except OSError as exc:
+            reason = exc
+        return self._load_outcome(key, path, reason, stat)
+
+    def _load_start(self, key: bytes, row: torch.Tensor, done: Future[bool]) -> None:
+        """aio load, on a pool thread: open the file and queue one ``readv`` of header + payload (header only when
+        the size is wrong, to tell a foreign file from a damaged one); the reaper finishes in :meth:`_load_complete`."""
+        assert self._uring is not None
+        path = self.block_path(key)
+        payload = row.numpy().data.cast("B")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            done.set_result(self._load_outcome(key, path, exc, None))
+            return
+        try:
+            stat = os.fstat(fd)
+            header = memoryview(bytearray(HEADER_NBYTES))
+            full = stat.st_size == HEADER_NBYTES + payload.nbytes and payload.nbytes > 0
+            bufs = [header, payload] if full else [header]
+
+            def complete(res: int) -> None:
+                done.set_result(self._load_complete(key, path, fd, stat, header, payload, res))
+
+            self._uring.submit(fd, bufs, 0, False, complete)
+        except OSError as exc:
+            os.close(fd)
+            done.set_result(self._load_outcome(key, path, exc, None))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _load_complete(
+        self, key: bytes, path: str, fd: int, stat: os.stat_result, header: memoryview, payload: memoryview, res: int
+    ) -> bool:
+        """aio load, on the reaper: ``res`` is the ``readv`` result (a short read is a file that shrank)."""
+        reason: str | OSError | None
+        try:
+            if res < 0:
+                raise OSError(-res, os.strerror(-res))
+            reason = _check_block(key, payload, stat.st_size, res, header)
+            if reason is None:
+                _touch(fd, stat)
+        except OSError as exc:
+            reason = exc
+        finally:
+            os.close(fd)
+        return self._load_outcome(key, path, reason, stat)
+
+    def _load_outcome(self, key: bytes, path: str, reason: str | OSError | None, stat: os.stat_result | None) -> bool:
+        """A load's end, either engine: ``reason`` is ``None`` (valid block), an ``OSError`` (missing file: debug;
+        else a fault) or why the file is damaged or foreign (a damaged file is removed when still ``stat``)."""
+        if isinstance(reason, FileNotFoundError):
             logger.debug("posix store: block %s not found at %s", key.hex(), path)
             return False
-        except OSError as exc:
-            self._faults.failed("read", exc, f"block file {path}", "treating it as a miss")
+        if isinstance(reason, OSError):
+            self._faults.failed("read", reason, f"block file {path}", "treating it as a miss")
             return False
         self._faults.succeeded("read")
         if reason is not None:
             kept = reason.startswith(_FOREIGN)
-            if not kept:
+            if not kept and stat is not None:
                 _remove_if_unchanged(path, stat)
             logger.warning(
                 "posix store: damaged block file %s: %s; treating as a miss%s",
@@ -613,26 +790,47 @@ def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
     return total
 
 
-def _read_validated(fd: int, key: bytes, payload: memoryview, direct: _AlignedBuffers | None = None) -> str | None:
-    """Read and check one block file into ``payload`` (a ``B``-format memoryview of the expected payload size);
-    return ``None`` when valid, else the reason.
+def _touch(fd: int, stat: os.stat_result) -> None:
+    """A hit: refresh the block's recency (atime) for garbage collection (best effort)."""
+    with contextlib.suppress(OSError):
+        os.utime(fd, ns=(time.time_ns(), stat.st_mtime_ns))
+
+
+def _read_validated(
+    fd: int, size: int, key: bytes, payload: memoryview, direct: _AlignedBuffers | None = None
+) -> str | None:
+    """Read one block file of ``size`` bytes (from ``fstat``) into ``payload`` (a ``B``-format memoryview of the
+    expected payload size) and check it with :func:`_check_block`; return ``None`` when valid, else the reason.
 
     When the file has the expected size, header and payload come in one ``preadv``; otherwise only the header is
-    read, to tell a foreign file (another version, codec or block size: the reason starts with ``"foreign: "``)
-    from a damaged one. Block files are never modified in place (written under a temp name, then renamed), so the
-    size checked by ``fstat`` is the size read. With ``direct`` (``fd`` opened with ``O_DIRECT``), the file is read
-    in whole ``DIRECT_ALIGN`` units into an aligned buffer, then the payload is copied into ``payload``.
+    read, to tell a foreign file from a damaged one. Block files are never modified in place (written under a temp
+    name, then renamed), so the size checked by ``fstat`` is the size read. With ``direct`` (``fd`` opened with
+    ``O_DIRECT``), the file is read in whole ``DIRECT_ALIGN`` units into an aligned buffer, then the payload is
+    copied into ``payload``.
     """
-    size = os.fstat(fd).st_size
     expected = HEADER_NBYTES + payload.nbytes
     want = expected if size == expected else HEADER_NBYTES
     if direct is not None:
         buf = direct.get(_round_up(want))
         got = _pread_direct(fd, buf)
-        header = buf[:HEADER_NBYTES]
-    else:
-        header = memoryview(bytearray(HEADER_NBYTES))
-        got = _preadv_full(fd, [header, payload] if want == expected else [header], 0)
+        return _check_block(key, payload, size, got, buf[:HEADER_NBYTES], buf)
+    header = memoryview(bytearray(HEADER_NBYTES))
+    got = _preadv_full(fd, [header, payload] if want == expected else [header], 0)
+    return _check_block(key, payload, size, got, header)
+
+
+def _check_block(
+    key: bytes, payload: memoryview, size: int, got: int, header: memoryview, aligned: memoryview | None = None
+) -> str | None:
+    """Check a block file read by either engine; return ``None`` when valid, else the reason.
+
+    The reader read ``got`` bytes of a ``size``-byte file: header and payload (into ``payload``, or into ``aligned``
+    at offset ``HEADER_NBYTES`` for ``O_DIRECT`` reads: copied to ``payload`` once the header checks pass) when
+    ``size`` is the expected one, else the header only. Fewer bytes than that means the file shrank. A reason
+    starting with ``"foreign: "`` (another version, codec or block size) means the file is to be kept.
+    """
+    expected = HEADER_NBYTES + payload.nbytes
+    want = expected if size == expected else HEADER_NBYTES
     if got < want:
         if want == expected:
             return f"file shrank while read: {got} of {expected} bytes"
@@ -650,11 +848,20 @@ def _read_validated(fd: int, key: bytes, payload: memoryview, direct: _AlignedBu
         return f"file holds key {file_key.hex()}, expected {key.hex()}"
     if size != expected:
         return f"file is {size} bytes, expected {expected}"
-    if direct is not None:
-        payload[:] = buf[HEADER_NBYTES:expected]
+    if aligned is not None:
+        payload[:] = aligned[HEADER_NBYTES:expected]
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         return "checksum mismatch"
     return None
+
+
+def _resolve_on_error(job: Callable[[int, Future[bool]], None], index: int, done: Future[bool]) -> None:
+    """Run an aio job; an unexpected exception (a bug, not an I/O error) fails its key through ``done``."""
+    try:
+        job(index, done)
+    except BaseException as exc:
+        if not done.done():
+            done.set_exception(exc)
 
 
 def _round_up(n: int) -> int:

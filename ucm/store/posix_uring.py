@@ -1,0 +1,168 @@
+"""The ``aio`` I/O engine of the Posix stage: one io_uring (through the ``liburing`` binding) moving block data.
+
+Any thread submits vectored positional reads and writes (``readv``/``writev`` on an open fd); one reaper thread
+(``ucm-posix-uring``) takes the completions and calls each operation's callback with the result (bytes moved, or
+``-errno``). The engine knows nothing about blocks: opening, validating, renaming and closing are the caller's.
+
+Two details of the binding shape this module:
+- ``io_uring_wait_cqe`` keeps the GIL while it blocks, so the reaper waits with ``poll`` on the ring's fd (which
+  releases it) and then takes ready completions with ``io_uring_peek_cqe``, one at a time (the binding's ``cqe[i]``
+  does not wrap around the completion ring).
+- Submissions set ``IOSQE_ASYNC``: the kernel hands every operation to its io-wq workers instead of trying it inline
+  in ``io_uring_submit``, which would copy a page-cached block while the submitting thread holds the GIL.
+
+Up to ``depth`` operations are in flight; a submitter waits for a free slot beyond that. Buffers and ``Iovec``s stay
+referenced until their completion. The kernel cancels (``ECANCELED``) a request whose submitting thread exits before
+it completes: submitters must outlive their operations (the Posix stage's pool threads do: its ``close`` waits for
+every task before stopping them).
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ucm.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_DEPTH = 128  # operations in flight (submission queue entries; the completion queue has twice as many)
+_WAKEUP = 0  # user_data of the no-op that wakes the reaper at close; operations count from 1
+_RETRY_SUBMIT = (errno.EINTR, errno.EAGAIN, errno.EBUSY)
+
+
+def _import_liburing() -> Any:
+    try:
+        import liburing
+    except ImportError as exc:
+        raise ValueError(
+            f"posix_io_engine: aio needs the 'liburing' package, which cannot be imported ({exc}); allowed: psync"
+        ) from None
+    return liburing
+
+
+class Uring:
+    """An io_uring of ``depth`` entries and its reaper thread.
+
+    Raises:
+        ValueError: ``liburing`` cannot be imported or the kernel refuses io_uring (``io_uring_queue_init`` fails:
+            ``kernel.io_uring_disabled``, a seccomp filter, an old kernel), naming ``posix_io_engine``, the reason
+            and the allowed engine.
+    """
+
+    def __init__(self, depth: int = DEFAULT_DEPTH) -> None:
+        if depth < 1:
+            raise ValueError(f"io_uring depth must be >= 1, got {depth}")
+        self._lib = lib = _import_liburing()
+        self._ring = lib.Ring()
+        try:
+            lib.io_uring_queue_init(depth, self._ring)
+        except OSError as exc:
+            raise ValueError(
+                f"posix_io_engine: aio cannot set up an io_uring on this system (io_uring_queue_init: "
+                f"{exc.strerror or exc}; io_uring may be disabled by kernel.io_uring_disabled or a seccomp filter); "
+                "allowed: psync"
+            ) from None
+        self._slots = threading.BoundedSemaphore(depth)
+        self._lock = threading.Lock()  # the submission queue and the table of operations in flight
+        self._ops: dict[int, tuple[Any, list[memoryview], Callable[[int], None]]] = {}
+        self._next_id = 1
+        self._closing = False
+        self._reaper = threading.Thread(target=self._reap, name="ucm-posix-uring", daemon=True)
+        self._reaper.start()
+
+    def submit(self, fd: int, bufs: list[memoryview], offset: int, write: bool, on_done: Callable[[int], None]) -> None:
+        """Queue a ``writev`` (``write``) or ``readv`` of ``bufs`` on ``fd`` at ``offset``; ``on_done(res)`` runs on
+        the reaper thread with the bytes moved or ``-errno``. Waits while ``depth`` operations are in flight.
+
+        Raises:
+            RuntimeError: the engine is closed (``on_done`` is then never called).
+        """
+        lib = self._lib
+        iov = lib.Iovec(bufs)
+        self._slots.acquire()
+        with self._lock:
+            if self._closing:
+                self._slots.release()
+                raise RuntimeError("io_uring engine is closed")
+            op_id = self._next_id
+            self._next_id += 1
+            self._ops[op_id] = (iov, bufs, on_done)
+            sqe = self._get_sqe()
+            if write:
+                lib.io_uring_prep_writev(sqe, fd, iov, offset)
+            else:
+                lib.io_uring_prep_readv(sqe, fd, iov, offset)
+            lib.io_uring_sqe_set_data64(sqe, op_id)
+            lib.io_uring_sqe_set_flags(sqe, lib.IOSQE_ASYNC)
+            self._submit_locked()
+
+    def close(self) -> None:
+        """Wait for the operations in flight (their callbacks run), stop the reaper and release the ring.
+        Submissions must have stopped. Idempotent."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            sqe = self._get_sqe()
+            self._lib.io_uring_prep_nop(sqe)
+            self._lib.io_uring_sqe_set_data64(sqe, _WAKEUP)
+            self._submit_locked()
+        self._reaper.join()
+        self._lib.io_uring_queue_exit(self._ring)
+
+    # -- internals (``_locked``/``_get_sqe``: with ``self._lock`` held) -------------------------------------------
+
+    def _get_sqe(self) -> Any:
+        sqe = self._lib.io_uring_get_sqe(self._ring)
+        while sqe is None:  # the submission queue is full of queued entries: hand them to the kernel, retry
+            self._submit_locked()
+            sqe = self._lib.io_uring_get_sqe(self._ring)
+        return sqe
+
+    def _submit_locked(self) -> None:
+        for attempt in range(100):
+            try:
+                self._lib.io_uring_submit(self._ring)
+                return
+            except OSError as exc:
+                if exc.errno not in _RETRY_SUBMIT:
+                    # The entries stay queued and go with the next submission (at the latest close's no-op).
+                    logger.error("posix store: io_uring_submit failed: %s; retrying with the next submission", exc)
+                    return
+                time.sleep(0.001 * (attempt + 1))
+        logger.error("posix store: io_uring_submit keeps failing (EAGAIN); retrying with the next submission")
+
+    def _reap(self) -> None:
+        lib = self._lib
+        poller = select.poll()
+        poller.register(self._ring.ring_fd, select.POLLIN)
+        cqe = lib.Cqe()
+        while True:
+            if lib.io_uring_cq_ready(self._ring) == 0:
+                with self._lock:
+                    if self._closing and not self._ops:
+                        return
+                poller.poll()  # releases the GIL; the ring's fd is readable while completions wait
+                continue
+            lib.io_uring_peek_cqe(self._ring, cqe)
+            entry = cqe[0]
+            op_id = entry.user_data
+            try:
+                res = entry.res or 0
+            except OSError as exc:  # the binding raises for a negative result
+                res = -(exc.errno or errno.EIO)
+            lib.io_uring_cqe_seen(self._ring, entry)
+            if op_id == _WAKEUP:
+                continue
+            with self._lock:
+                op = self._ops.pop(op_id)
+            self._slots.release()
+            try:
+                op[2](res)
+            except Exception:  # a bug in a callback must not stop the reaper: the other operations still complete
+                logger.exception("posix store: io_uring completion handler failed")
