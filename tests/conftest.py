@@ -34,6 +34,18 @@ def tokenizer(tiny_model: Path):
     return AutoTokenizer.from_pretrained(str(tiny_model))
 
 
+# float32 engine: a correct load reproduces log-probs to ~1e-6 (only the attention's summation order differs);
+# a wrong block moves them by ~1e-2 even on the tiny model (VLLM_NOTES.md).
+LOGPROB_TOL = 1e-3
+
+
+def assert_same_output(got, want) -> None:
+    """Two ``RequestResult``s agree: greedy tokens identical and log-probs within ``LOGPROB_TOL``."""
+    assert got.token_ids == want.token_ids
+    diff = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
+    assert diff < LOGPROB_TOL, f"log-probs differ by {diff}"
+
+
 def ucm_extra_config(store_dir: Path | str, pipeline: str = "Cache|Posix") -> dict:
     """Inline UCM config (kv_connector_extra_config) for a store at ``store_dir``."""
     return {

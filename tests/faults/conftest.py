@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ucm_extra_config
+from tests.conftest import assert_same_output, ucm_extra_config
+from ucm.store.posix import block_file_path
 from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config
 
 BLOCK_SIZE = 128
 PROMPT_TOKENS = 300  # 2 full blocks each
 NUM_PROMPTS = 12
 MAX_TOKENS = 8
-LOGPROB_TOL = 1e-3
 INJECT_DIR = Path(__file__).parent / "inject"
 # Root without the capabilities that bypass file permissions: permission bits apply to it as to any user.
 NO_DAC_OVERRIDE = (
@@ -32,13 +32,6 @@ NO_DAC_OVERRIDE = (
     "--bounding-set=-dac_override,-dac_read_search",
     "--inh-caps=-dac_override,-dac_read_search",
 )
-
-
-def assert_same_output(got: RequestResult, want: RequestResult) -> None:
-    """Greedy tokens identical and log-probs within ``LOGPROB_TOL`` of the no-cache run."""
-    assert got.token_ids == want.token_ids
-    diff = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
-    assert diff < LOGPROB_TOL, f"log-probs differ by {diff}"
 
 
 @pytest.fixture(scope="session")
@@ -98,7 +91,7 @@ def copy_store(filled: tuple[Path, list[list[str]]], dst: Path) -> Path:
 
 def block_path(store: Path, key_hex: str) -> Path:
     """Where the Posix store keeps ``key_hex``'s block under a single-directory ``store``."""
-    return store / key_hex[0:2] / key_hex[2:4] / f"{key_hex}.ucmb"
+    return Path(block_file_path([str(store)], bytes.fromhex(key_hex)))
 
 
 def wait_for_blocks_cmd(store: Path, n: int, timeout_s: float = 60) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ucm_extra_config
+from tests.conftest import assert_same_output, ucm_extra_config
 from ucm.testing.engine import RequestResult, failed_loads, run_engine, ucm_transfer_config
 from ucm.testing.texts import prompt_of_tokens
 
@@ -23,15 +23,6 @@ BLOCK_SIZE = 128  # vLLM's CPU default
 P1_TOKENS = 600  # 4 full blocks + a partial one
 P2_EXTRA_TOKENS = 200  # P2 = P1 + more text: 800 tokens, 6 full blocks, the first 4 shared with P1
 MAX_TOKENS = 12
-# float32 engine: a correct load reproduces log-probs to ~1e-6 (only the attention's summation order differs);
-# a wrong block moves them by ~1e-2 even on the tiny model (VLLM_NOTES.md).
-LOGPROB_TOL = 1e-3
-
-
-def assert_same_output(got: RequestResult, want: RequestResult) -> None:
-    assert got.token_ids == want.token_ids
-    diff = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
-    assert diff < LOGPROB_TOL, f"log-probs differ by {diff}"
 
 
 @pytest.fixture(scope="module")

@@ -270,11 +270,10 @@ class PosixStore(UcmKVStoreBase):
 
     def block_path(self, key: bytes) -> str:
         """Path of the file holding ``key``'s block (16-byte key), whether or not it exists."""
-        h = key.hex()
-        return os.path.join(self._dir_of(key), h[0:2], h[2:4], h + FILE_SUFFIX)
+        return block_file_path(self._dirs, key)
 
     def _dir_of(self, key: bytes) -> str:
-        return self._dirs[int.from_bytes(key[:8], "little") % len(self._dirs)]
+        return _dir_of(self._dirs, key)
 
     # -- contract -------------------------------------------------------------------------------------------
 
@@ -733,6 +732,17 @@ class _FaultLog:
 # Reasons that may mean "another UCM version's block" or a caller's size mismatch rather than damage: such files are
 # left in place.
 _FOREIGN = "foreign: "
+
+
+def _dir_of(dirs: Sequence[str], key: bytes) -> str:
+    return dirs[int.from_bytes(key[:8], "little") % len(dirs)]
+
+
+def block_file_path(dirs: Sequence[str], key: bytes) -> str:
+    """Path of ``key``'s block file (16-byte key) in a store over the ordered directories ``dirs`` (see the module
+    docstring's placement rule), whether or not it exists."""
+    h = key.hex()
+    return os.path.join(_dir_of(dirs, key), h[0:2], h[2:4], h + FILE_SUFFIX)
 
 
 def namespace_tag(digest: bytes) -> int:
