@@ -21,7 +21,7 @@ PREFILL_PORT0=${PREFILL_PORT0:-8100}
 DECODE_PORT0=${DECODE_PORT0:-8200}
 UCM_CONFIG_FILE=${UCM_CONFIG_FILE:-$PWD/examples/pd/ucm_pd.yaml}
 LOG_DIR=${LOG_DIR:-$PWD/.pd_logs}
-MODEL=${MODEL:-$("$PYTHON" -m ucm.testing.models smollm2 --models-dir models)}
+MODEL=$(realpath "${MODEL:-$("$PYTHON" -m ucm.testing.models smollm2 --models-dir models)}")
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_HOST_IP=127.0.0.1
 mkdir -p "$LOG_DIR"
 
@@ -52,6 +52,7 @@ for port in "${prefill_ports[@]}" "${decode_ports[@]}"; do
   echo "127.0.0.1:$port ready"
 done
 
+echo "model: $MODEL (the \"model\" field of requests)"
 "$PYTHON" -m ucm.pd.proxy --port "$PROXY_PORT" \
   --prefiller-hosts 127.0.0.1 --prefiller-ports "${prefill_ports[@]}" \
   --decoder-hosts 127.0.0.1 --decoder-ports "${decode_ports[@]}"

@@ -14,6 +14,7 @@ the comparison with the single instance test bf16 noise rather than the disaggre
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.request
 from pathlib import Path
@@ -29,6 +30,8 @@ from ucm.testing.texts import real_text
 pytestmark = pytest.mark.engine
 
 BLOCK_SIZE = 128  # the CPU backend's default
+PUBLISH_DELAY_S = 1.5
+INJECT_DIR = Path(__file__).resolve().parent.parent / "faults" / "inject"
 MAX_TOKENS = 12
 _HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
 
@@ -51,9 +54,16 @@ class Cluster:
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         kw = {"dtype": "float32", "env": env}
         self.single = VllmServer(model, tmp / "single.log", None, **kw)
+        # The second prefill instance publishes each block file 1.5 s late (a slow shared filesystem): its answers
+        # must still wait for the blocks, or the decode instance would miss them.
+        slow = {
+            **env,
+            "UCM_TEST_FAULTS": json.dumps({"publish_delay_s": PUBLISH_DELAY_S}),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(INJECT_DIR), os.environ.get("PYTHONPATH")])),
+        }
         self.prefill = [
-            VllmServer(model, tmp / f"prefill{i}.log", ucm_transfer_config(extra, "kv_producer"), **kw)
-            for i in range(2)
+            VllmServer(model, tmp / "prefill0.log", ucm_transfer_config(extra, "kv_producer"), **kw),
+            VllmServer(model, tmp / "prefill1.log", ucm_transfer_config(extra, "kv_producer"), **{**kw, "env": slow}),
         ]
         self.decode = [
             VllmServer(model, tmp / f"decode{i}.log", ucm_transfer_config(extra, "kv_consumer"), **kw) for i in range(2)
@@ -163,6 +173,8 @@ def test_1p1d_same_output_as_single_instance(cluster, tmp_path):
 
 
 def test_2p2d_same_output_and_both_instances_used(cluster, tmp_path):
+    """2P2D, one request at a time: each instance serves its share, and requests prefilled by the instance with a
+    slow store (``PUBLISH_DELAY_S``) still find every block on the decode side."""
     proxy = ProxyProcess(
         [p.port for p in cluster.prefill],
         [d.port for d in cluster.decode],

@@ -7,6 +7,10 @@ Only for the faults that cannot be caused for real on this machine (EIO needs fa
   (``os.open`` then ``os.pread``/``os.preadv``, as the Posix store reads);
 - ``"write_eio"``: writing the temp file of one of these keys fails with ``EIO``.
 
+And ``"publish_delay_s"`` (a number): every rename of a temp file onto a block file (``os.replace`` to ``*.ucmb``,
+how the Posix store publishes a block) first sleeps that long: a slow shared filesystem, where a block becomes
+visible to other instances well after its data was handed to the store.
+
 Without ``UCM_TEST_FAULTS`` nothing is patched.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 
 _SPEC = os.environ.get("UCM_TEST_FAULTS")
 
@@ -63,6 +68,15 @@ if _SPEC:
     def _os_pread(fd, *args, **kwargs):
         return _eio() if fd in _eio_fds else _real_pread(fd, *args, **kwargs)
 
+    _publish_delay_s = float(_faults.get("publish_delay_s", 0))
+    _real_replace = os.replace
+
+    def _os_replace(src, dst, *args, **kwargs):
+        if _publish_delay_s and os.fsdecode(dst).endswith(".ucmb"):
+            time.sleep(_publish_delay_s)
+        return _real_replace(src, dst, *args, **kwargs)
+
+    os.replace = _os_replace
     os.open = _os_open
     os.write = _os_write
     os.preadv = _os_preadv
