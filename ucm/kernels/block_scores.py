@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ucm.kernels._block_copy import _interpreted
+
 IMPLS = ("auto", "triton", "torch")
 
 
@@ -181,7 +183,8 @@ def _scores_triton(
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     grid = (r, hq, triton.cdiv(w, meta["BLOCK_W"]))
-    _block_scores_kernel[grid](
+    kernel = _interpreted(_block_scores_kernel) if q.device.type == "cpu" else _block_scores_kernel
+    kernel[grid](
         q.contiguous(),
         kmin.contiguous(),
         kmax.contiguous(),

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ucm.kernels._block_copy import _interpreted
 from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views, paged_shape
 
 IMPLS = ("auto", "triton", "torch")
@@ -187,7 +188,8 @@ def _summaries_triton(
     del nb
     sb, sh, st, sd = keys.stride()
     grid = (block_ids.numel(), h)
-    _block_summaries_kernel[grid](
+    kernel = _interpreted(_block_summaries_kernel) if keys.device.type == "cpu" else _block_summaries_kernel
+    kernel[grid](
         keys,
         block_ids,
         counts.to(torch.int64),
