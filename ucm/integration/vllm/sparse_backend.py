@@ -26,6 +26,7 @@ GPU backends are not wrapped in this version (the plugin registers nothing there
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -119,65 +120,96 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
         self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata
     ) -> CPUAttentionMetadata:
         assert self._method is not None
-        isa = getattr(layer, "isa", None)
-        if isa not in _VERIFIED_ISAS:
-            raise UcmConfigError(
-                f"ucm_sparse_config: vLLM's CPU attention uses kernel variant {isa!r} here; UCM reads keys from the "
-                f"paged cache only for {list(_VERIFIED_ISAS)}"
-            )
-        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        num_blocks, num_kv_heads = kv_cache.shape[:2]
         if self._summaries is None or self._summaries.num_blocks != num_blocks:
             self._summaries = self._method.new_summaries(num_blocks, num_kv_heads, self.head_size, kv_cache.device)
-        self._summaries.invalidate_slots(md.slot_mapping[: md.num_actual_tokens], block_size)
-
-        num_reqs = md.seq_lens.shape[0]
-        starts = md.query_start_loc[: num_reqs + 1]
-        rows = ((starts[1:] - starts[:-1]) == 1).nonzero().flatten()
-        if rows.numel() == 0:
-            return md
-        keys = paged_keys(kv_cache, KVLayout.CPU_ATTN)
-        sel = self._method.select(
-            query[starts[rows].long()],
-            keys,
+        return sparse_cpu_metadata(
+            self._method,
             self._summaries,
-            md.block_table[rows],
-            md.seq_lens[rows],
-            self.scale,
-        )
-        _announce(self._method.name, int(sel.kept.sum()), int(sel.num_blocks.sum()))
-        logger.debug(
-            "%s: rows %s kept %s of %s blocks",
-            self._method.name,
-            rows.tolist(),
-            sel.kept.tolist(),
-            sel.num_blocks.tolist(),
-        )
-        block_table = md.block_table.clone()
-        block_table[rows] = sel.block_table
-        seq_lens = md.seq_lens.clone()
-        seq_lens[rows] = sel.seq_lens
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_reqs,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_size,
-            seq_lens=seq_lens,
-            dtype=query.dtype,
-            query_start_loc=md.query_start_loc,
-            causal=md.causal,
-            sliding_window_size=-1,
-            isa=isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            dynamic_causal=None,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-        return dataclasses.replace(
             md,
-            block_table=block_table,
-            seq_lens=seq_lens,
-            max_seq_len=int(seq_lens.max()),
-            scheduler_metadata=scheduler_metadata,
+            query,
+            kv_cache,
+            isa=getattr(layer, "isa", None),
+            num_heads=self.num_heads,
+            scale=self.scale,
         )
+
+
+def sparse_cpu_metadata(
+    method: SparseMethod,
+    summaries: BlockSummaries,
+    md: CPUAttentionMetadata,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    isa: str | None,
+    num_heads: int,
+    scale: float,
+) -> CPUAttentionMetadata:
+    """A replacement for one layer's CPU attention metadata whose one-query rows attend to ``method``'s blocks.
+
+    Marks the blocks written this step stale in ``summaries``, selects blocks for each row with exactly one query
+    token, and returns ``dataclasses.replace(md, ...)`` with new ``block_table``, ``seq_lens``, ``max_seq_len`` and
+    ``scheduler_metadata`` (``md`` itself and its tensors are not modified); ``md`` unchanged when no row is a
+    one-query row.
+
+    Args:
+        md: vLLM's ``CPUAttentionMetadata`` for the step (shared by all layers).
+        query: ``[num_tokens, num_heads, head_dim]`` this layer's (post-RoPE) queries.
+        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` this layer's paged KV (CPU layout),
+            with this step's keys already written.
+        isa: the CPU kernel variant (``layer.isa``); num_heads: query heads; scale: softmax scale.
+
+    Raises:
+        UcmConfigError: ``isa`` is a kernel variant whose in-block K layout UCM has not verified.
+    """
+    if isa not in _VERIFIED_ISAS:
+        raise UcmConfigError(
+            f"ucm_sparse_config: vLLM's CPU attention uses kernel variant {isa!r} here; UCM reads keys from the "
+            f"paged cache only for {list(_VERIFIED_ISAS)}"
+        )
+    _, num_kv_heads, block_size, two_d = kv_cache.shape
+    summaries.invalidate_slots(md.slot_mapping[: md.num_actual_tokens], block_size)
+    num_reqs = md.seq_lens.shape[0]
+    starts = md.query_start_loc[: num_reqs + 1]
+    rows = ((starts[1:] - starts[:-1]) == 1).nonzero().flatten()
+    if rows.numel() == 0:
+        return md
+    keys = paged_keys(kv_cache, KVLayout.CPU_ATTN)
+    sel = method.select(query[starts[rows].long()], keys, summaries, md.block_table[rows], md.seq_lens[rows], scale)
+    _announce(method.name, int(sel.kept.sum()), int(sel.num_blocks.sum()))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "%s: rows %s kept %s of %s blocks", method.name, rows.tolist(), sel.kept.tolist(), sel.num_blocks.tolist()
+        )
+    block_table = md.block_table.clone()
+    block_table[rows] = sel.block_table
+    seq_lens = md.seq_lens.clone()
+    seq_lens[rows] = sel.seq_lens
+    # What CPUAttentionMetadataBuilder.build computes from seq_lens, with the builder's arguments (no sliding
+    # window: layers with one never get here; no dynamic causal mask: checked by the caller).
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=num_reqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=two_d // 2,
+        seq_lens=seq_lens,
+        dtype=query.dtype,
+        query_start_loc=md.query_start_loc,
+        causal=md.causal,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype="auto",
+    )
+    return dataclasses.replace(
+        md,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        max_seq_len=int(seq_lens.max()),
+        scheduler_metadata=scheduler_metadata,
+    )
 
 
 class UcmCPUAttentionBackend(CPUAttentionBackend):
