@@ -115,15 +115,18 @@ def block_scores_reference(
 def _scores_torch(
     q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, num_blocks: torch.Tensor
 ) -> torch.Tensor:
+    # max(q*lo, q*hi) = q*(hi+lo)/2 + |q|*(hi-lo)/2 per channel, so the sum over channels is two batched matmuls
+    # (the same bound up to fp32 rounding; 5-10x faster on CPU than the elementwise form at 64 blocks).
     r, hq, d = q.shape
     h = kmin.shape[1]
     w = block_table.shape[1]
     valid = torch.arange(w, device=q.device)[None, :] < num_blocks[:, None]  # [R, W]
     ids = torch.where(valid, block_table.long(), 0)
-    qf = q.float().view(r, h, hq // h, 1, d)  # [R, H, G, 1, D]
-    lo = kmin[ids].permute(0, 2, 1, 3).unsqueeze(2)  # [R, H, 1, W, D]
-    hi = kmax[ids].permute(0, 2, 1, 3).unsqueeze(2)
-    ub = torch.maximum(qf * lo, qf * hi).sum(dim=-1).view(r, hq, w)  # [R, Hq, W]
+    lo, hi = kmin[ids], kmax[ids]  # [R, W, H, D]
+    center = ((hi + lo) * 0.5).permute(0, 2, 3, 1)  # [R, H, D, W]
+    radius = ((hi - lo) * 0.5).permute(0, 2, 3, 1)
+    qf = q.float().view(r, h, hq // h, d)  # [R, H, G, D]
+    ub = (torch.matmul(qf, center) + torch.matmul(qf.abs(), radius)).view(r, hq, w)  # [R, Hq, W]
     return ub.masked_fill(~valid[:, None, :], float("-inf"))
 
 
