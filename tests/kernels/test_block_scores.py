@@ -94,3 +94,14 @@ def test_kernel_compiles_for_sm90(word: str) -> None:
 def test_triton_cases_interpreted() -> None:
     """This module's Triton cases, in a child pytest under ``TRITON_INTERPRET=1`` (see ``tests.kernels.interp``)."""
     run_interpreted(__file__, "triton and not compiles and not interpreted")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: native Triton runs only where a GPU exists")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"q{s[0]}-kv{s[1]}-d{s[2]}")
+def test_native_triton_matches_reference(shape: tuple) -> None:
+    q, kmin, kmax, table, n = make_inputs(*shape, 300)
+    got = block_scores(q.cuda(), kmin.cuda(), kmax.cuda(), table.cuda(), n.cuda()).cpu()  # auto: Triton
+    want = block_scores_reference(q, kmin, kmax, table, n)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=RTOL, atol=ATOL)

@@ -113,3 +113,17 @@ def test_kernel_compiles_for_sm90(word: str) -> None:
 def test_triton_cases_interpreted() -> None:
     """This module's Triton cases, in a child pytest under ``TRITON_INTERPRET=1`` (see ``tests.kernels.interp``)."""
     run_interpreted(__file__, "triton and not compiles and not interpreted")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: native Triton runs only where a GPU exists")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.value)
+def test_native_triton_matches_reference(layout: KVLayout) -> None:
+    bs, h, d = 128, 8, 128
+    cache = make_cache(layout, (bs, h, d), torch.bfloat16)
+    ids = torch.tensor(IDS, dtype=torch.int64)
+    counts = torch.tensor([bs, 1, bs - 3, 5, bs], dtype=torch.int64)
+    kmin = poisoned((NUM_BLOCKS, h, d), torch.float32).cuda()
+    kmax = poisoned((NUM_BLOCKS, h, d), torch.float32).cuda()
+    block_summaries(paged_keys(cache.cuda(), layout), ids.cuda(), counts.cuda(), kmin, kmax)  # auto: Triton
+    want_min, want_max = block_summaries_reference(paged_keys(cache, layout), ids, counts)
+    assert torch.equal(kmin[ids.cuda()].cpu(), want_min) and torch.equal(kmax[ids.cuda()].cpu(), want_max)
