@@ -26,6 +26,7 @@ PROMPT_TOKENS = 700
 BLOCK_SIZE = 32
 MAX_TOKENS = 8
 NO_PLUGINS = {"VLLM_PLUGINS": "ucm_test_no_plugin"}  # an allow-list that matches no plugin
+SMALL_CACHE = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: plenty for one 700-token request of the tiny model
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def _run(model: Path, store: Path, prompt: str, sparse: dict | None, env: dict[s
         "reset_prefix_cache": True,
         "requests": [{"prompt": prompt, "max_tokens": MAX_TOKENS}],
     }
-    results, stderr = run_engine(spec, env=env)
+    results, stderr = run_engine(spec, env={**SMALL_CACHE, **env})
     return results[0], stderr
 
 
