@@ -21,7 +21,7 @@ Parts (the last line printed is a JSON object with every number):
 3. ``attention_kernel``: in-process, one layer of SmolLM2's attention shape (9 query heads, 3 KV heads, head dim 64,
    bf16, block size 128) at ``--kernel-contexts`` tokens, one decode query: vLLM's CPU attention kernel on the dense
    block table vs GSA's selection (``select_ms``: scoring, top-k, metadata) plus the kernel on the kept blocks
-   (``attend_ms``). Median of ``--repeats`` runs, ``--kernel-threads`` threads (default 1). Shows how the
+   (``attend_ms``). Median of ``--repeats`` interleaved rounds, ``--kernel-threads`` threads (default 1). Shows how the
    attention itself scales with the fraction read.
 
 Timings come from a shared 2-core machine: compare ratios within one run, not absolute numbers across runs.
@@ -207,16 +207,9 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
                 s_aux=None,
             )
 
-        def median_ms(fn: Any) -> float:
-            fn()
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(times)
-
-        row: dict[str, Any] = {"blocks": nb, "dense_attend_ms": median_ms(lambda md=md: attend(md))}
+        # Every variant once per round, rounds repeated: load changes on a shared machine hit all variants alike.
+        variants: dict[str, Any] = {"dense_attend": lambda md=md: attend(md)}
+        row: dict[str, Any] = {"blocks": nb}
         for f in args.fractions:
             method = GSA(GSAConfig(sparse_ratio=f))
             summaries = method.new_summaries(nb, kv_heads, dim, kv_cache.device)
@@ -227,11 +220,20 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
                 )
 
             sparse_md = select()  # computes every block's summary once (what decode amortizes)
-            row[f"gsa_{f}"] = {
-                "kept_blocks": math.ceil(int(sparse_md.seq_lens[0]) / bs),
-                "select_ms": median_ms(select),
-                "attend_ms": median_ms(lambda m=sparse_md: attend(m)),
-            }
+            row[f"gsa_{f}"] = {"kept_blocks": math.ceil(int(sparse_md.seq_lens[0]) / bs)}
+            variants[f"gsa_{f}.select"] = select
+            variants[f"gsa_{f}.attend"] = lambda m=sparse_md: attend(m)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.repeats + 1):
+            for name, fn in variants.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        med = {name: statistics.median(t[1:]) for name, t in times.items()}  # round 0 is a warm-up
+        row["dense_attend_ms"] = med["dense_attend"]
+        for f in args.fractions:
+            row[f"gsa_{f}"]["select_ms"] = med[f"gsa_{f}.select"]
+            row[f"gsa_{f}"]["attend_ms"] = med[f"gsa_{f}.attend"]
         out["contexts"][str(ctx)] = row
         print("kernel", ctx, json.dumps(row), flush=True)
     return out
