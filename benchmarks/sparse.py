@@ -51,6 +51,7 @@ from ucm.testing.plugin import plugin_env  # noqa: E402
 from ucm.testing.texts import real_text  # noqa: E402
 
 ANSWER_TOKENS = 8
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: ~45 K tokens of SmolLM2 KV, enough for these prompts
 TIMING_TOKENS = 32
 QUESTION = "\n\nQuestion: What is the secret passkey mentioned in the text above?\nAnswer: The secret passkey is"
 
@@ -84,7 +85,7 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     longest = prompts[max(range(len(cases)), key=lambda i: cases[i]["length"])]
     requests = [{"prompt": p, "max_tokens": ANSWER_TOKENS} for p in prompts]
     requests.append({"prompt": longest, "max_tokens": TIMING_TOKENS})  # prefix-cache hit: decode timing
-    configs: list[tuple[str, dict[str, Any] | None]] = [("dense", None)]
+    configs: list[tuple[str, dict[str, Any] | None]] = [] if args.no_dense else [("dense", None)]
     configs += [(f"gsa_{f}", {"GSA": {"sparse_ratio": f}}) for f in args.fractions]
     out: dict[str, Any] = {"cases": cases, "configs": {}}
     dense_tokens: list[list[int]] = []
@@ -109,11 +110,18 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
                 "requests": requests,
             }
             t0 = time.perf_counter()
-            results, stderr = run_engine(spec, env=plugin_env(), timeout_s=3600)
+            try:
+                results, stderr = run_engine(spec, env={**ENGINE_ENV, **plugin_env()}, timeout_s=3600)
+            except RuntimeError as err:  # e.g. the OOM killer on a shared machine: record it, go on
+                out["configs"][name] = {"error": str(err)[-800:]}
+                print(name, "engine failed", str(err)[-300:], flush=True)
+                continue
             elapsed = time.perf_counter() - t0
         answers = results[: len(cases)]
         if name == "dense":
             dense_tokens = [r.token_ids for r in answers]
+        if not dense_tokens:
+            dense_tokens = [[] for _ in answers]  # dense failed: same_as_dense counts nothing
         kept = re.findall(r"first decode selection kept (\d+) of (\d+) blocks", stderr)
         per_length: dict[str, dict[str, int]] = {}
         for c, r, dt in zip(cases, answers, dense_tokens, strict=True):
@@ -245,6 +253,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 6144])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.7, 0.5, 0.3, 0.1])
+    parser.add_argument("--no-dense", action="store_true", help="skip the dense engine (same_as_dense then 0)")
     parser.add_argument("--kernel-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--kernel-threads", type=int, default=1)
