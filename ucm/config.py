@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
 DEFAULT_STORAGE_DIR = ".ucm_store"
@@ -152,6 +152,57 @@ class UcmConnectorEntry(_Strict):
     )
 
 
+class GSAConfig(_Strict):
+    """``ucm_sparse_config.GSA``: block-sparse decode attention (see ``ucm.sparse.gsa``).
+
+    Key names follow the seed UCM's sparse methods (``init_window_sz``, ``local_window_sz``, ``min_blocks``,
+    ``sparse_ratio``); ``init_window`` / ``local_window`` are accepted as aliases.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+    sparse_ratio: float = Field(
+        0.3, gt=0, le=1, description="Fraction of a request's KV blocks read at decode (1.0 = all: dense result)."
+    )
+    init_window_sz: int = Field(
+        1, ge=0, validation_alias=AliasChoices("init_window_sz", "init_window"), description="Sink blocks always kept."
+    )
+    local_window_sz: int = Field(
+        2,
+        ge=1,
+        validation_alias=AliasChoices("local_window_sz", "local_window"),
+        description="Most recent blocks always kept (>= 1: the block holding the current token).",
+    )
+    min_blocks: int = Field(
+        4, ge=1, description="Requests with fewer KV blocks than this attend densely (must exceed both windows)."
+    )
+
+    @field_validator("sparse_ratio", mode="before")
+    @classmethod
+    def _int_is_float(cls, value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _windows_below_min_blocks(self) -> GSAConfig:
+        if self.min_blocks <= self.init_window_sz + self.local_window_sz:
+            raise ValueError(
+                f"min_blocks ({self.min_blocks}) must be larger than init_window_sz + local_window_sz "
+                f"({self.init_window_sz} + {self.local_window_sz})"
+            )
+        return self
+
+
+class UcmSparseConfig(_Strict):
+    """``ucm_sparse_config``: at most one sparse-attention method, keyed by its name."""
+
+    GSA: GSAConfig | None = Field(None, description="Block-sparse decode attention (Quest-style key bounds).")
+
+    @property
+    def method(self) -> str | None:
+        """The name of the method switched on, or ``None``."""
+        return "GSA" if self.GSA is not None else None
+
+
 class UcmConfig(_Strict):
     """The whole UCM config (top level of the YAML)."""
 
@@ -166,6 +217,9 @@ class UcmConfig(_Strict):
     )
     use_layerwise: bool = Field(False, description="Layer-by-layer load/dump (not available yet; must be false).")
     enable_record_traces: bool = Field(False, description="Record per-transfer traces (not available yet).")
+    ucm_sparse_config: UcmSparseConfig | None = Field(
+        None, description="Sparse attention at decode, e.g. {GSA: {sparse_ratio: 0.3}} (null: dense)."
+    )
 
     @field_validator("ucm_connectors")
     @classmethod
@@ -199,6 +253,10 @@ def _valid_keys(model: type[BaseModel]) -> str:
 def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
     """The schema model that owns the key at ``loc`` (for naming valid keys in an unknown-key error)."""
     names = [part for part in loc if isinstance(part, str)]
+    if "GSA" in names:
+        return GSAConfig
+    if "ucm_sparse_config" in names:
+        return UcmSparseConfig
     if "ucm_connector_config" in names:
         return UcmPipelineStoreConfig
     if "ucm_connectors" in names:

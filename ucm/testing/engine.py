@@ -79,6 +79,7 @@ class RequestResult:
         ttft_ms: time to first token (engine's first_token_latency), ms.
         num_prompt_tokens: prompt length in tokens.
         hit_hbm / hit_external / total_blocks: from UCM's log line (-1 without UCM).
+        wall_ms: the request's wall time in the child (``generate`` call), ms: TTFT plus all decode steps.
     """
 
     token_ids: list[int]
@@ -89,6 +90,7 @@ class RequestResult:
     hit_hbm: int = -1
     hit_external: int = -1
     total_blocks: int = -1
+    wall_ms: float = 0.0
 
 
 def _uses_ucm(transfer: dict[str, Any] | None) -> bool:
@@ -181,6 +183,7 @@ def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "logprobs": logprobs,
                 "ttft_ms": ttft * 1e3 if ttft > 0 else wall_ms,
                 "num_prompt_tokens": len(result.prompt_token_ids or []),
+                "wall_ms": wall_ms,
             }
         )
     return out

@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ucm.config import UcmConfig, config_from_extra_config
+from ucm.config import UcmConfig, UcmConfigError, config_from_extra_config
 from ucm.integration.vllm.engine_info import detect_layout, kv_spec, namespace
 from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.integration.vllm.scheduler import UCMScheduler
@@ -50,6 +50,28 @@ logger = init_logger(__name__)
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _logged_config = False
+
+
+def _check_sparse_backend() -> None:
+    """Refuse ``ucm_sparse_config`` when UCM's attention wrapper is not the active backend (it would be ignored).
+
+    Raises:
+        UcmConfigError: not on vLLM's CPU platform, or UCM's ``vllm.general_plugins`` entry point did not run.
+    """
+    from vllm.platforms import current_platform
+
+    from ucm.integration.vllm.sparse_backend import is_active
+
+    if not current_platform.is_cpu():
+        raise UcmConfigError(
+            "ucm_sparse_config is set, but this UCM version applies sparse attention only on vLLM's CPU backend "
+            "(CPU_ATTN); remove ucm_sparse_config on this platform"
+        )
+    if not is_active():
+        raise UcmConfigError(
+            "ucm_sparse_config is set, but UCM's attention plugin is not loaded (vllm.general_plugins entry point "
+            "'ucm_sparse'): reinstall the ucm package (pip install -e .) and keep 'ucm_sparse' in VLLM_PLUGINS if set"
+        )
 
 
 def _log_config_once(config: UcmConfig) -> None:
@@ -77,6 +99,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"UCMConnector: kv_role {kv_role!r} is not supported; allowed: {list(KV_ROLES)}")
         self._ucm_config = config_from_extra_config(transfer.kv_connector_extra_config)
         _log_config_once(self._ucm_config)
+        if role == KVConnectorRole.WORKER and self._ucm_config.ucm_sparse_config is not None:
+            _check_sparse_backend()
         self._spec = kv_spec(kv_cache_config)
         load, dump = kv_role in ("kv_both", "kv_consumer"), kv_role in ("kv_both", "kv_producer")
         # A kv_consumer only loads: it may serve from a read-only store (e.g. a read-only mount of the shared dir).

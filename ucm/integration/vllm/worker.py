@@ -18,6 +18,7 @@ from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks
 from ucm.logger import init_logger
+from ucm.sparse import invalidate_blocks
 from ucm.store.base import Task, UcmKVStoreBase
 
 if TYPE_CHECKING:
@@ -125,6 +126,8 @@ class UCMWorker:
         src = staging if len(ok) == len(keys) else staging[ok]
         ids = torch.tensor([block_ids[i] for i in ok], dtype=torch.int64)
         scatter_blocks(src.to(device, non_blocking=True), self._kv_caches, ids.to(device), self._layout)
+        # Sparse attention's per-block summaries of these blocks describe their previous contents: recompute them.
+        invalidate_blocks(ids)
         logger.debug(
             "loaded %d blocks into vLLM block ids %s: store %.1f ms, scatter %.1f ms",
             len(ok),

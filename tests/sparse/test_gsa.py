@@ -1,0 +1,152 @@
+"""GSA on plain tensors: summaries, selection against a row-by-row reference, table compaction, freshness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ucm.config import GSAConfig
+from ucm.kernels.block_summaries import paged_keys
+from ucm.kernels.layouts import KVLayout
+from ucm.sparse import GSA, compact_block_table, invalidate_blocks, make_method
+from ucm.sparse.gsa import kept_blocks, select_reference
+
+NUM_BLOCKS = 61
+# (num_kv_heads, num_heads, head_dim, block_size): SmolLM2's heads, a 4-way GQA with odd head_dim, MHA.
+SHAPES = [(3, 9, 64, 32), (2, 8, 40, 48), (4, 4, 32, 16)]
+SHAPE_IDS = [f"kv{h}-q{hq}-d{d}-bs{bs}" for h, hq, d, bs in SHAPES]
+CONFIGS = [
+    GSAConfig(sparse_ratio=0.3),
+    GSAConfig(sparse_ratio=0.5, init_window_sz=2, local_window_sz=3, min_blocks=8),
+    GSAConfig(sparse_ratio=0.1, init_window_sz=0, local_window_sz=1, min_blocks=2),
+]
+CONFIG_IDS = ["r0.3", "r0.5-w2-3-min8", "r0.1-w0-1-min2"]
+
+
+def _batch(h: int, hq: int, d: int, bs: int, seed: int = 0):
+    """A paged CPU_ATTN cache, a shuffled block table of 4 rows (lengths: partial last blocks, one short row)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn((NUM_BLOCKS, h, bs, 2 * d), generator=g).to(torch.bfloat16)
+    lens = torch.tensor([17 * bs + 5, 9 * bs, 3 * bs - 1, 12 * bs + 1], dtype=torch.int32)
+    width = 20
+    perm = torch.randperm(NUM_BLOCKS, generator=g).to(torch.int32)
+    table = torch.stack(
+        [perm[i * 15 : i * 15 + width] if i * 15 + width <= NUM_BLOCKS else perm[-width:] for i in range(4)]
+    )
+    q = torch.randn((4, hq, d), generator=g).to(torch.bfloat16)
+    return paged_keys(cache, KVLayout.CPU_ATTN), table, lens, q
+
+
+def _kept_ids(sel, r: int) -> list[int]:
+    return sel.block_table[r, : int(sel.kept[r])].tolist()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+def test_selection_matches_reference(h: int, hq: int, d: int, bs: int, cfg: GSAConfig, impl: str) -> None:
+    keys, table, lens, q = _batch(h, hq, d, bs)
+    method = GSA(cfg, impl=impl)
+    sel = method.select(q, keys, method.new_summaries(NUM_BLOCKS, h, d, torch.device("cpu")), table, lens, d**-0.5)
+    want = select_reference(q, keys, table, lens, d**-0.5, cfg)
+    for r in range(4):
+        n = math.ceil(int(lens[r]) / bs)
+        assert _kept_ids(sel, r) == want[r]
+        assert int(sel.kept[r]) == int(kept_blocks(torch.tensor([n]), cfg)[0])
+        # Only full blocks are dropped: the length falls by whole blocks and the last (partial) block stays last.
+        assert int(sel.seq_lens[r]) == int(lens[r]) - (n - int(sel.kept[r])) * bs
+        assert _kept_ids(sel, r)[-1] == int(table[r, n - 1])
+
+
+def test_windows_always_kept_and_best_block_found() -> None:
+    """A block holding one key aligned with the query is selected even when every other key is larger on average."""
+    h, hq, d, bs = 1, 2, 16, 8
+    n = 12
+    keys = torch.full((n, h, bs, d), 0.5)
+    keys[:, :, :, : d // 2] = -0.5
+    needle_block, needle_tok = 6, 3
+    q = torch.zeros((1, hq, d))
+    q[0, :, : d // 2] = 1.0
+    keys[needle_block, 0, needle_tok, : d // 2] = 4.0
+    table = torch.arange(n, dtype=torch.int32)[None]
+    cfg = GSAConfig(sparse_ratio=0.34, init_window_sz=1, local_window_sz=2, min_blocks=4)  # keep 5 of 12
+    method = GSA(cfg)
+    sel = method.select(
+        q, keys, method.new_summaries(n, h, d, torch.device("cpu")), table, torch.tensor([n * bs]), 0.25
+    )
+    got = _kept_ids(sel, 0)
+    assert len(got) == 5
+    assert {0, 10, 11, needle_block} <= set(got)
+
+
+def test_short_rows_stay_dense() -> None:
+    keys, table, lens, q = _batch(3, 9, 64, 32)
+    cfg = GSAConfig(sparse_ratio=0.1, min_blocks=19)  # rows of 18, 9, 3 and 13 blocks: all below
+    method = GSA(cfg)
+    sel = method.select(q, keys, method.new_summaries(NUM_BLOCKS, 3, 64, torch.device("cpu")), table, lens, 0.125)
+    assert torch.equal(sel.seq_lens, lens)
+    for r in range(4):
+        n = math.ceil(int(lens[r]) / 32)
+        assert _kept_ids(sel, r) == table[r, :n].tolist()
+
+
+def test_all_blocks_kept_gives_the_dense_table() -> None:
+    keys, table, lens, q = _batch(3, 9, 64, 32)
+    method = GSA(GSAConfig(sparse_ratio=1.0))
+    sel = method.select(q, keys, method.new_summaries(NUM_BLOCKS, 3, 64, torch.device("cpu")), table, lens, 0.125)
+    assert torch.equal(sel.seq_lens, lens)
+    for r in range(4):
+        n = math.ceil(int(lens[r]) / 32)
+        assert torch.equal(sel.block_table[r, :n], table[r, :n])
+
+
+def test_compact_refuses_dropping_the_last_block() -> None:
+    table = torch.arange(8, dtype=torch.int32).view(1, 8)
+    keep = torch.ones((1, 8), dtype=torch.bool)
+    keep[0, 4] = False  # the last of 5 blocks (seq_len 70 with block size 16)
+    with pytest.raises(ValueError, match="last block"):
+        compact_block_table(table, torch.tensor([70]), keep, 16)
+
+
+def test_compact_keeps_input_untouched() -> None:
+    table = torch.arange(10, dtype=torch.int32).view(2, 5)
+    before = table.clone()
+    keep = torch.tensor([[True, False, True, False, True], [False, True, True, True, True]])
+    sel = compact_block_table(table, torch.tensor([70, 65]), keep, 16)
+    assert torch.equal(table, before)
+    assert sel.block_table[0, :3].tolist() == [0, 2, 4] and int(sel.seq_lens[0]) == 70 - 2 * 16
+    assert sel.block_table[1, :4].tolist() == [6, 7, 8, 9] and int(sel.seq_lens[1]) == 65 - 16
+
+
+def test_summaries_follow_writes_and_loads() -> None:
+    """Stale summaries are recomputed: after a slot write, after a connector load (``invalidate_blocks``), and when
+    the request's token count in a block changes; fresh ones are not."""
+    h, d, bs = 2, 8, 4
+    keys = torch.randn((6, h, bs, d))
+    method = GSA(GSAConfig())
+    table = method.new_summaries(6, h, d, torch.device("cpu"))
+    ids = torch.tensor([1, 4], dtype=torch.int64)
+    full = torch.tensor([bs, bs])
+    assert table.refresh(keys, ids, full) == 2
+    assert table.refresh(keys, ids, full) == 0
+    keys[4] += 10.0
+    table.invalidate_slots(torch.tensor([4 * bs + 2, -1]), bs)  # a write into block 4 (and a padding slot)
+    assert table.refresh(keys, ids, full) == 1
+    assert torch.equal(table.kmax[4], keys[4].amax(dim=1))
+    keys[1] -= 10.0
+    invalidate_blocks([1])  # what the connector does after scattering loaded blocks
+    assert table.refresh(keys, ids, full) == 1
+    assert torch.equal(table.kmin[1], keys[1].amin(dim=1))
+    assert table.refresh(keys, ids, torch.tensor([bs, 3])) == 1  # block 4 now counts 3 tokens for this request
+    assert torch.equal(table.kmin[4], keys[4, :, :3].amin(dim=1))
+
+
+def test_make_method() -> None:
+    from ucm.config import UcmSparseConfig
+
+    assert make_method(None) is None
+    assert make_method(UcmSparseConfig()) is None
+    method = make_method(UcmSparseConfig.model_validate({"GSA": {"sparse_ratio": 0.5}}))
+    assert isinstance(method, GSA) and method.cfg.sparse_ratio == 0.5

@@ -1,0 +1,227 @@
+"""The attention-backend wrapper that applies UCM's sparse attention (``ucm_sparse_config``) inside vLLM.
+
+vLLM builds attention layers before any KV connector exists, so the wrapper comes in through this package's
+``vllm.general_plugins`` entry point (:func:`register`, run by vLLM in every process before the model loads), which
+overrides the ``CPU_ATTN`` member of vLLM's ``AttentionBackendEnum`` (the CPU platform always picks that member)
+with :class:`UcmCPUAttentionBackend`: vLLM's own CPU backend with its impl subclassed.
+
+Each layer's impl reads UCM's config from ``kv_connector_extra_config`` (when the connector is ``UCMConnector``).
+With no sparse method on, ``forward`` is vLLM's, untouched (same metadata object, same kernel call). With GSA on:
+
+- every step it marks the blocks written this step (``slot_mapping``) stale in the layer's summary table;
+- for the rows of the batch with one query token (decode; also a one-token prefill chunk), it asks the method for
+  a selection and hands vLLM's kernel a replaced metadata object (``dataclasses.replace``: the block table is a
+  view of a persistent buffer shared by all layers and is never written) whose ``block_table``, ``seq_lens``,
+  ``max_seq_len`` and ``scheduler_metadata`` (derived from ``seq_lens`` by vLLM's
+  ``cpu_attn_get_scheduler_metadata``, recomputed here with the builder's arguments) name the kept blocks;
+- rows with more query tokens (prefill, chunked prefill) keep their dense block table.
+
+Dropping middle blocks changes no positions: RoPE is already applied to the cached keys, and the kernel only uses
+the compacted length for the causal bound of the single query, which stays the last token.
+
+GPU backends are not wrapped in this version (the plugin registers nothing there; the connector refuses
+``ucm_sparse_config`` when the wrapper is not the active backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+)
+
+from ucm.config import UcmConfigError, UcmSparseConfig, config_from_extra_config
+from ucm.kernels.block_summaries import paged_keys
+from ucm.kernels.layouts import KVLayout
+from ucm.logger import init_logger
+from ucm.sparse import BlockSummaries, SparseMethod, make_method
+
+logger = init_logger(__name__)
+
+BACKEND_PATH = "ucm.integration.vllm.sparse_backend.UcmCPUAttentionBackend"
+_UCM_CONNECTOR = "UCMConnector"
+# CPU kernel variants whose in-block K layout (transposed [head_dim, block_size] per head) UCM has verified.
+_VERIFIED_ISAS = ("vec", "vec16")
+_announced = False  # one info line per process at the first sparse decode step
+
+
+def _announce(name: str, kept: int, total: int) -> None:
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.info("sparse attention %s: first decode selection kept %d of %d blocks", name, kept, total)
+
+
+def sparse_config_of(vllm_config: Any) -> UcmSparseConfig | None:
+    """``ucm_sparse_config`` from a vLLM config's ``kv_transfer_config``, when its connector is UCMConnector.
+
+    Raises:
+        UcmConfigError: the UCM config is invalid (unknown sparse method or key, bad value).
+    """
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or transfer.kv_connector != _UCM_CONNECTOR:
+        return None
+    return config_from_extra_config(transfer.kv_connector_extra_config).ucm_sparse_config
+
+
+class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention impl, with UCM's sparse block selection at decode when ``ucm_sparse_config`` is on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._method: SparseMethod | None = None
+        self._summaries: BlockSummaries | None = None
+        cfg = sparse_config_of(get_current_vllm_config())
+        method = make_method(cfg)
+        if method is None:
+            return
+        if self.attn_type != AttentionType.DECODER or self.sliding_window != -1 or self.sinks is not None:
+            logger.debug(
+                "sparse attention off for a layer of type %s (sliding window %s)", self.attn_type, self.sliding_window
+            )
+            return
+        if self.kv_cache_dtype != "auto":
+            raise UcmConfigError(
+                f"ucm_sparse_config.{method.name} needs the KV cache in the model's dtype; kv_cache_dtype is "
+                f"{self.kv_cache_dtype!r}; allowed: 'auto'"
+            )
+        self._method = method
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """vLLM's CPU attention; with a sparse method on, decode rows read only their selected blocks."""
+        if self._method is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:
+            attn_metadata = self._sparse_metadata(layer, query, kv_cache, attn_metadata)
+        return super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
+
+    def _sparse_metadata(
+        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata
+    ) -> CPUAttentionMetadata:
+        assert self._method is not None
+        num_blocks, num_kv_heads = kv_cache.shape[:2]
+        if self._summaries is None or self._summaries.num_blocks != num_blocks:
+            self._summaries = self._method.new_summaries(num_blocks, num_kv_heads, self.head_size, kv_cache.device)
+        return sparse_cpu_metadata(
+            self._method,
+            self._summaries,
+            md,
+            query,
+            kv_cache,
+            isa=getattr(layer, "isa", None),
+            num_heads=self.num_heads,
+            scale=self.scale,
+        )
+
+
+def sparse_cpu_metadata(
+    method: SparseMethod,
+    summaries: BlockSummaries,
+    md: CPUAttentionMetadata,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    isa: str | None,
+    num_heads: int,
+    scale: float,
+) -> CPUAttentionMetadata:
+    """A replacement for one layer's CPU attention metadata whose one-query rows attend to ``method``'s blocks.
+
+    Marks the blocks written this step stale in ``summaries``, selects blocks for each row with exactly one query
+    token, and returns ``dataclasses.replace(md, ...)`` with new ``block_table``, ``seq_lens``, ``max_seq_len`` and
+    ``scheduler_metadata`` (``md`` itself and its tensors are not modified); ``md`` unchanged when no row is a
+    one-query row.
+
+    Args:
+        md: vLLM's ``CPUAttentionMetadata`` for the step (shared by all layers).
+        query: ``[num_tokens, num_heads, head_dim]`` this layer's (post-RoPE) queries.
+        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` this layer's paged KV (CPU layout),
+            with this step's keys already written.
+        isa: the CPU kernel variant (``layer.isa``); num_heads: query heads; scale: softmax scale.
+
+    Raises:
+        UcmConfigError: ``isa`` is a kernel variant whose in-block K layout UCM has not verified.
+    """
+    if isa not in _VERIFIED_ISAS:
+        raise UcmConfigError(
+            f"ucm_sparse_config: vLLM's CPU attention uses kernel variant {isa!r} here; UCM reads keys from the "
+            f"paged cache only for {list(_VERIFIED_ISAS)}"
+        )
+    _, num_kv_heads, block_size, two_d = kv_cache.shape
+    summaries.invalidate_slots(md.slot_mapping[: md.num_actual_tokens], block_size)
+    num_reqs = md.seq_lens.shape[0]
+    starts = md.query_start_loc[: num_reqs + 1]
+    rows = ((starts[1:] - starts[:-1]) == 1).nonzero().flatten()
+    if rows.numel() == 0:
+        return md
+    keys = paged_keys(kv_cache, KVLayout.CPU_ATTN)
+    sel = method.select(query[starts[rows].long()], keys, summaries, md.block_table[rows], md.seq_lens[rows], scale)
+    _announce(method.name, int(sel.kept.sum()), int(sel.num_blocks.sum()))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "%s: rows %s kept %s of %s blocks", method.name, rows.tolist(), sel.kept.tolist(), sel.num_blocks.tolist()
+        )
+    block_table = md.block_table.clone()
+    block_table[rows] = sel.block_table
+    seq_lens = md.seq_lens.clone()
+    seq_lens[rows] = sel.seq_lens
+    # What CPUAttentionMetadataBuilder.build computes from seq_lens, with the builder's arguments (no sliding
+    # window: layers with one never get here; no dynamic causal mask: checked by the caller).
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=num_reqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=two_d // 2,
+        seq_lens=seq_lens,
+        dtype=query.dtype,
+        query_start_loc=md.query_start_loc,
+        causal=md.causal,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype="auto",
+    )
+    return dataclasses.replace(
+        md,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        max_seq_len=int(seq_lens.max()),
+        scheduler_metadata=scheduler_metadata,
+    )
+
+
+class UcmCPUAttentionBackend(CPUAttentionBackend):
+    """vLLM's ``CPU_ATTN`` backend with :class:`UcmCPUAttentionImpl` (same name, builder and KV layout)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[UcmCPUAttentionImpl]:
+        return UcmCPUAttentionImpl
+
+
+def is_active() -> bool:
+    """Whether vLLM's attention registry resolves ``CPU_ATTN`` to this wrapper in this process."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
