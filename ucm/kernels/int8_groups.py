@@ -13,7 +13,7 @@ Per group ``g`` of values ``x`` (symmetric absmax scaling)::
     q    = clamp(round_half_even(x / s[g]), -127, 127)            (fp32 arithmetic)
     x'   = bf16(q * s[g])
 
-Error bound per value: ``|x - x'| <= s[g] / 2 + |x'| * 2**-9`` (half a quantization step plus the bf16 rounding of
+Error bound per value: ``|x - x'| <= s[g] / 2 + |x'| * 2**-8`` (half a quantization step plus the bf16 rounding of
 the output). Inputs must be finite: a group holding inf or NaN has no meaningful scale (the codec stores such blocks
 losslessly instead; :func:`all_finite` checks).
 
