@@ -12,7 +12,7 @@ from ucm.kernels.bf16_planes import (
     split_bf16_planes_reference,
 )
 
-IMPLS = ["cpu", "torch"]
+IMPLS = ["cpu", "numpy", "torch"]
 SIZES = [1, 7, 1000, 4099]
 
 

@@ -50,10 +50,11 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import zstandard
 
-from ucm.kernels.bf16_planes import merge_bf16_planes, split_bf16_planes
+from ucm.kernels.bf16_planes import merge_planes_np, split_bf16_planes
 from ucm.kernels.int8_groups import all_finite, dequantize_int8_groups, quantize_int8_groups
 from ucm.store.base import BlockCorruptedError
 
@@ -208,8 +209,6 @@ def decode_block(payload: bytes | bytearray | memoryview, dst: torch.Tensor) -> 
             frame inside it is inconsistent.
     """
     mv = memoryview(payload).cast("B")
-    if mv.readonly:  # torch.frombuffer wants writable memory (it is only read)
-        mv = memoryview(bytearray(mv))
     mode = container_mode(mv)
     _, _, dtype_code, _, n_bytes, num_sections, group = CONTAINER.unpack_from(mv, 0)
     if dtype_code != DTYPE_BF16 or n_bytes != dst.numel() or num_sections == 0 or n_bytes % (2 * num_sections):
@@ -227,6 +226,7 @@ def decode_block(payload: bytes | bytearray | memoryview, dst: torch.Tensor) -> 
             f"KVfold sections total {sum(sizes)} bytes; the container holds {len(mv) - table_end}"
         )
     out = dst.view(torch.bfloat16).reshape(num_sections, n)
+    words = dst.numpy().view(np.uint16).reshape(num_sections, n)
     off = table_end
     if mode == "int8":
         if group == 0 or n % group:
@@ -235,9 +235,9 @@ def decode_block(payload: bytes | bytearray | memoryview, dst: torch.Tensor) -> 
         for s, size in enumerate(sizes):
             if size != 2 * n_scales + n:
                 raise BlockCorruptedError(f"KVfold int8 section {s} is {size} bytes, expected {2 * n_scales + n}")
-            raw = torch.frombuffer(mv[off : off + size], dtype=torch.uint8)
-            scale = raw[: 2 * n_scales].view(torch.bfloat16)
-            q = raw[2 * n_scales :].view(torch.int8)
+            raw = np.frombuffer(mv[off : off + size], dtype=np.uint8)
+            scale = torch.from_numpy(raw[: 2 * n_scales].view(np.int16).copy()).view(torch.bfloat16)
+            q = torch.from_numpy(raw[2 * n_scales :].view(np.int8).copy())
             dequantize_int8_groups(q, scale, out=out[s])
             off += size
         return mode
@@ -250,16 +250,18 @@ def decode_block(payload: bytes | bytearray | memoryview, dst: torch.Tensor) -> 
             raise BlockCorruptedError(f"KVfold section {s}: {size} bytes with a {c}-byte exponent plane of {n}")
         packed = mv[off + 4 : off + 4 + c]
         if c == n:
-            exp_bytes: bytearray | memoryview = packed
+            exp_bytes: bytes | memoryview = packed
         else:
             try:
-                exp_bytes = bytearray(dctx.decompress(packed, max_output_size=n))
+                exp_bytes = dctx.decompress(packed, max_output_size=n)
             except zstandard.ZstdError as exc:
                 raise BlockCorruptedError(f"KVfold section {s}: bad zstd frame: {exc}") from None
             if len(exp_bytes) != n:
                 raise BlockCorruptedError(f"KVfold section {s}: exponent plane of {len(exp_bytes)} values, not {n}")
-        exp = torch.frombuffer(exp_bytes, dtype=torch.uint8) if len(exp_bytes) else torch.empty(0, dtype=torch.uint8)
-        sm = torch.frombuffer(mv[off + 4 + c : off + size], dtype=torch.uint8)
-        merge_bf16_planes(exp, sm, out=out[s])
+        merge_planes_np(
+            np.frombuffer(exp_bytes, dtype=np.uint8),
+            np.frombuffer(mv[off + 4 + c : off + size], dtype=np.uint8),
+            words[s],
+        )
         off += size
     return mode
