@@ -305,3 +305,15 @@ def test_closed_store_refuses_work(root: Path) -> None:
     store.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         store.dump(make_keys(1, seed=13), kv_blocks(1, seed=13))
+
+
+def test_cli_verify_checks_compressed_files(store: CompressStore) -> None:
+    from ucm.store.cli import verify_file
+
+    blocks = kv_blocks(2, seed=14)
+    keys = make_keys(2, seed=14)
+    assert store.wait(store.dump(keys, blocks)).ok
+    good, bad = (store.inner.block_path(k) for k in keys)
+    flip_byte(bad, 3)
+    assert verify_file(good)[0] is None
+    assert verify_file(bad)[0] == "checksum mismatch"
