@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from ucm.kernels.bf16_planes import (
     split_bf16_planes_reference,
 )
 
-IMPLS = ["cpu", "numpy", "torch"]
+IMPLS = ["triton", "cpu", "numpy", "torch"]
 SIZES = [1, 7, 1000, 4099]
 
 
@@ -61,7 +63,7 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         split_bf16_planes(torch.zeros(4, 4, dtype=torch.bfloat16).t())
     with pytest.raises(ValueError, match="impl"):
-        split_bf16_planes(torch.zeros(4, dtype=torch.bfloat16), impl="triton")  # type: ignore[arg-type]
+        split_bf16_planes(torch.zeros(4, dtype=torch.bfloat16), impl="cuda")  # type: ignore[arg-type]
     e = torch.zeros(4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="must match"):
         merge_bf16_planes(e, torch.zeros(3, dtype=torch.uint8))
@@ -69,3 +71,35 @@ def test_bad_inputs() -> None:
         merge_bf16_planes(e, e, out=torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="exp"):
         merge_bf16_planes(e.to(torch.int16), e)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 replaces @triton.jit")
+@pytest.mark.parametrize("kernel", ["split", "merge"])
+def test_kernel_compiles_for_sm90(kernel: str) -> None:
+    """``triton.compile`` down to PTX and cubin (ptxas ships with triton) for an H100/H200 target."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from ucm.kernels.bf16_planes import TILE, _merge_kernel, _split_kernel
+
+    if kernel == "split":
+        fn, sig = _split_kernel, {"words_ptr": "*i16", "exp_ptr": "*u8", "sm_ptr": "*u8"}
+    else:
+        fn, sig = _merge_kernel, {"exp_ptr": "*u8", "sm_ptr": "*u8", "words_ptr": "*i16"}
+    src = triton.compiler.ASTSource(
+        fn=fn,
+        signature={**sig, "n": "i64", "TILE": "constexpr"},
+        constexprs={"TILE": TILE},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(3)},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert {"ttgir", "llir", "ptx", "cubin"} <= set(compiled.asm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_triton_matches_reference() -> None:
+    x = all_patterns().cuda()
+    exp, sm = split_bf16_planes(x)
+    ref = split_bf16_planes_reference(x)
+    assert torch.equal(exp.cpu(), ref[0]) and torch.equal(sm.cpu(), ref[1])
+    assert torch.equal(merge_bf16_planes(exp, sm).view(torch.int16).cpu(), x.view(torch.int16).cpu())

@@ -13,6 +13,9 @@ whole exponent in one plane and the sign, which is incompressible, in the raw pl
 A bijection on all 65,536 bit patterns (NaN payloads, infinities, -0.0, subnormals round-trip bit-exact).
 
 Implementations, identical results (``impl=``):
+- ``"triton"``: one elementwise Triton kernel (``_split_kernel`` / ``_merge_kernel``), the default on CUDA; on CPU
+  tensors it runs in the Triton interpreter (tests only: slow). Not fused with the block gather/scatter yet: the
+  Compress stage runs on host buffers, after the gather.
 - ``"cpu"``: the CPU fast path, a numba loop (``ucm.kernels._numba_planes``, compiled on first use, GIL released;
   the default on CPU).
 - ``"numpy"``: numpy on the 16-bit words, several passes (kept as a second CPU implementation: about 40x slower
@@ -20,18 +23,61 @@ Implementations, identical results (``impl=``):
 - ``"torch"``: the same formulas in torch int32 arithmetic, any device (the default elsewhere).
 - :func:`split_bf16_planes_reference` / :func:`merge_bf16_planes_reference`: the test oracles, a per-value loop
   over Python ints (small inputs only).
-A Triton kernel (fused with the block gather) is not built yet.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
-PlanesImpl = Literal["auto", "cpu", "numpy", "torch"]
-_IMPLS = ("auto", "cpu", "numpy", "torch")
+from ucm.kernels._block_copy import _interpreted
+
+PlanesImpl = Literal["auto", "triton", "cpu", "numpy", "torch"]
+_IMPLS = ("auto", "triton", "cpu", "numpy", "torch")
+TILE = 1024  # values per Triton program
+
+
+@triton.jit
+def _split_kernel(
+    words_ptr,  # [n] int16: the bf16 bit patterns
+    exp_ptr,  # [n] uint8
+    sm_ptr,  # [n] uint8
+    n,
+    TILE: tl.constexpr,
+):
+    o_val = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)  # [TILE]
+    m_val = o_val < n
+    b_v = tl.load(words_ptr + o_val, mask=m_val, other=0).to(tl.int32) & 0xFFFF
+    tl.store(exp_ptr + o_val, ((b_v >> 7) & 0xFF).to(tl.uint8), mask=m_val)
+    tl.store(sm_ptr + o_val, (((b_v >> 8) & 0x80) | (b_v & 0x7F)).to(tl.uint8), mask=m_val)
+
+
+@triton.jit
+def _merge_kernel(
+    exp_ptr,  # [n] uint8
+    sm_ptr,  # [n] uint8
+    words_ptr,  # [n] int16
+    n,
+    TILE: tl.constexpr,
+):
+    o_val = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)  # [TILE]
+    m_val = o_val < n
+    b_e = tl.load(exp_ptr + o_val, mask=m_val, other=0).to(tl.int32)
+    b_s = tl.load(sm_ptr + o_val, mask=m_val, other=0).to(tl.int32)
+    b_v = (b_e << 7) | ((b_s & 0x80) << 8) | (b_s & 0x7F)  # 0..65535
+    tl.store(words_ptr + o_val, (b_v - ((b_v >> 15) << 16)).to(tl.int16), mask=m_val)
+
+
+def _launch(kernel: Any, n: int, *tensors: torch.Tensor) -> None:
+    """Launch an elementwise kernel over ``n`` values (the interpreter on CPU tensors)."""
+    if n == 0:
+        return
+    fn = _interpreted(kernel) if tensors[0].device.type == "cpu" else kernel
+    fn[(triton.cdiv(n, TILE),)](*tensors, n, TILE=TILE)
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +104,7 @@ def _check_impl(impl: str, device: torch.device) -> str:
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "cpu" if device.type == "cpu" else "torch"
+        return {"cpu": "cpu", "cuda": "triton"}.get(device.type, "torch")
     if impl in ("cpu", "numpy") and device.type != "cpu":
         raise ValueError(f"impl={impl!r} needs CPU tensors, got device {device}")
     return impl
@@ -80,6 +126,11 @@ def split_bf16_planes(x: torch.Tensor, *, impl: PlanesImpl = "auto") -> tuple[to
     """
     w = _words(x)
     which = _check_impl(impl, w.device)
+    if which == "triton":
+        exp_out = torch.empty(w.numel(), dtype=torch.uint8, device=w.device)
+        sm_out = torch.empty(w.numel(), dtype=torch.uint8, device=w.device)
+        _launch(_split_kernel, w.numel(), w, exp_out, sm_out)
+        return exp_out, sm_out
     if which == "cpu":
         return split_planes_np(w.numpy().view(np.uint16))
     if which == "numpy":
@@ -129,6 +180,9 @@ def merge_bf16_planes(
     if w.numel() != n or out.device != exp.device:
         raise ValueError(f"out must hold {n} 16-bit values on {exp.device}, got {w.numel()} on {out.device}")
     which = _check_impl(impl, exp.device)
+    if which == "triton":
+        _launch(_merge_kernel, n, exp.reshape(-1), sm.reshape(-1), w)
+        return out
     if which == "cpu":
         merge_planes_np(exp.reshape(-1).numpy(), sm.reshape(-1).numpy(), w.numpy().view(np.uint16))
         return out
