@@ -174,9 +174,12 @@ class CompressStore(UcmKVStoreBase):
         except (KeyError, TypeError, ValueError):
             geometry = None
         self._geometry = geometry
-        if dtype is not None and dtype != self._dtype and self._mode != "off":
-            self._passthrough = f"KV dtype {dtype} is not {self._dtype} (data_type)"
-            logger.info("Compress stage: %s: blocks are stored uncompressed", self._passthrough)
+        if self._mode != "off":
+            if dtype is not None and dtype != self._dtype:
+                self._passthrough = f"KV dtype {dtype} is not {self._dtype} (data_type)"
+                logger.info("Compress stage: %s: blocks are stored uncompressed", self._passthrough)
+            else:
+                self._passthrough = None
         self._inner.set_namespace(tag, info)
 
     def flush(self) -> None:
