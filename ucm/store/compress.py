@@ -44,7 +44,7 @@ import torch
 
 from ucm.logger import init_logger
 from ucm.store.base import BlockCorruptedError, Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
-from ucm.store.kvfold import KVGeometry, Mode, decode_block, encode_block
+from ucm.store.kvfold import DEFAULT_GROUP, KVGeometry, Mode, decode_block, encode_block
 from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, EncodedBlock, PosixStore
 
 logger = init_logger(__name__)
@@ -110,6 +110,7 @@ class CompressStore(UcmKVStoreBase):
         self._error_logged = False
         self._lossy_read_logged = False
         self._error_measured = False
+        self._warm_up()
         if self._codec == "int8":
             logger.warning(
                 "Compress stage: compress_mode: fixed_rate, compress_ratio: %d is LOSSY: int8 values with one bf16 "
@@ -200,6 +201,16 @@ class CompressStore(UcmKVStoreBase):
         self._inner.close()
 
     # -- internals ------------------------------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """Encode and decode a tiny block once, so the first real load or dump does not pay one-time costs (numba
+        loading its compiled kernels, zstd contexts): on a storage hit they landed in the request's TTFT."""
+        if self._codec is None:
+            return
+        tiny = torch.linspace(-2, 2, 2 * DEFAULT_GROUP, dtype=torch.bfloat16).view(torch.uint8)
+        container, _, _ = encode_block(tiny, self._codec)
+        out = torch.empty_like(tiny)
+        decode_block(container, out)
 
     def _submit(self, fn: Any, keys: list[bytes], buf: torch.Tensor) -> Task:
         with self._lock:
