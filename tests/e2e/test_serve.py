@@ -6,20 +6,13 @@ on the same store answers the same request from the stored KV: same answer, and 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ucm.testing.engine import engine_env, failed_loads, ucm_transfer_config
+from ucm.testing.engine import failed_loads, ucm_transfer_config
+from ucm.testing.server import VllmServer, http_json
 from ucm.testing.texts import prompt_of_tokens
 
 pytestmark = pytest.mark.engine
@@ -29,42 +22,12 @@ QUESTION = "What is this document? Answer in one sentence."
 STARTUP_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `python -m vllm.entrypoints.openai.api_server` process on loopback, its log in a file."""
+class Server(VllmServer):
+    """The real model served with UCMConnector configured by ``config_file``, ready on construction."""
 
     def __init__(self, model: Path, config_file: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.model = str(model)
-        self.log = log
-        transfer = ucm_transfer_config({"UCM_CONFIG_FILE": str(config_file)})
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",
-            "--kv-transfer-config", json.dumps(transfer),
-        ]  # fmt: skip
-        self._log_file = log.open("w")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=engine_env(), start_new_session=True
-        )
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log.read_text()[-5000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-5000:]}")
+        super().__init__(model, log, ucm_transfer_config({"UCM_CONFIG_FILE": str(config_file)}))
+        self.wait_ready(STARTUP_TIMEOUT_S)
 
     def chat(self, content: str) -> dict:
         body = {
@@ -74,25 +37,9 @@ class Server:
             "temperature": 0.0,
             "logprobs": True,
         }
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())
-
-    def stop(self) -> str:
-        """SIGTERM the server's process group (a graceful shutdown), wait, and return its log."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log_file.close()
-        return self.log.read_text()
+        status, answer = http_json(f"{self.url}/v1/chat/completions", body, timeout_s=300)
+        assert status == 200, answer
+        return answer
 
 
 def _answer(response: dict) -> tuple[str, list[str]]:

@@ -45,7 +45,11 @@ def fault_prompts(tokenizer) -> list[str]:
 
 
 def engine_spec(
-    model: Path, store: Path | str | None, prompts: Sequence[str | dict[str, Any]], **store_config: Any
+    model: Path,
+    store: Path | str | None,
+    prompts: Sequence[str | dict[str, Any]],
+    kv_role: str = "kv_both",
+    **store_config: Any,
 ) -> dict[str, Any]:
     """Engine spec: one request per prompt (a str, or a request dict), each after a prefix-cache reset so that
     hits come from UCM; ``store=None`` runs without a connector."""
@@ -57,7 +61,7 @@ def engine_spec(
     if store is not None:
         extra = ucm_extra_config(store, store_config.pop("store_pipeline", "Cache|Posix"))
         extra["ucm_connectors"][0]["ucm_connector_config"].update(store_config)
-        spec["connector"] = ucm_transfer_config(extra)
+        spec["connector"] = ucm_transfer_config(extra, kv_role)
     return spec
 
 
@@ -111,6 +115,7 @@ def run_ucm(
     *,
     faults: dict[str, list[str]] | None = None,
     wrapper: Sequence[str] = (),
+    kv_role: str = "kv_both",
     **store_config: Any,
 ) -> tuple[list[RequestResult], str]:
     """Run the prompts through an engine with UCM on ``store`` (UCM logging at debug level, for
@@ -120,7 +125,7 @@ def run_ucm(
     if faults:
         env["UCM_TEST_FAULTS"] = json.dumps(faults)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT_DIR), os.environ.get("PYTHONPATH")]))
-    return run_engine(engine_spec(model, store, prompts, **store_config), env=env, wrapper=wrapper)
+    return run_engine(engine_spec(model, store, prompts, kv_role, **store_config), env=env, wrapper=wrapper)
 
 
 def block_files(store: Path) -> list[Path]:

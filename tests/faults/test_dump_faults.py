@@ -9,6 +9,7 @@ EIO, which is injected (``inject/sitecustomize.py``).
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import pytest
@@ -72,6 +73,28 @@ def test_full_filesystem_then_read_only(tiny_model, fault_prompts, baseline, fil
         assert r.hit_external == leading
     assert sum(r.hit_external for r in results) >= 1
     _assert_all_valid(store)
+
+
+def test_consumer_serves_from_a_read_only_mount(tiny_model, fault_prompts, baseline, filled_store, tmp_path, mounted):
+    """A decode instance (kv_consumer) may see the shared store through a read-only mount: it starts, loads every
+    stored block and answers as without a cache; an instance that dumps (kv_both) is refused at start, naming why."""
+    store = tmp_path / "ro"
+    mounted(["-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs"], store)
+    shutil.copytree(filled_store[0], store, dirs_exist_ok=True, copy_function=shutil.copy2)
+    subprocess.run(["mount", "-o", "remount,ro", str(store)], check=True)
+    before = sorted((p, p.stat().st_mtime_ns) for p in block_files(store))
+
+    results, stderr = run_ucm(tiny_model, store, fault_prompts, kv_role="kv_consumer")
+    for got, want in zip(results, baseline, strict=True):
+        assert_same_output(got, want)
+    assert [r.hit_external for r in results] == [2] * len(fault_prompts)
+    assert failed_loads(stderr) == 0
+    assert f"storage backend {store} is read-only: blocks are only loaded from it" in stderr
+    assert not warnings_of(stderr, ""), warnings_of(stderr, "")
+    assert sorted((p, p.stat().st_mtime_ns) for p in block_files(store)) == before
+
+    with pytest.raises(RuntimeError, match="is not writable \\(a read-only store can only serve kv_role: kv_consumer"):
+        run_ucm(tiny_model, store, fault_prompts[:1])
 
 
 def test_permission_denied_and_write_error_while_serving(tiny_model, fault_prompts, baseline, filled_store, tmp_path):

@@ -35,8 +35,10 @@ def _warn_if_larger_than_memory(capacity_bytes: int) -> None:
         )
 
 
-def build_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
+def build_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -> UcmKVStoreBase:
     """A new pipeline for ``config.store_pipeline``, built bottom-up.
+
+    ``require_writable=False`` (a ``kv_consumer``, which only loads) accepts read-only storage directories.
 
     Raises:
         ValueError: an unknown stage name (the config schema already refuses these), or a bad storage path.
@@ -53,6 +55,7 @@ def build_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
                 capacity_bytes=config.posix_capacity_bytes,
                 io_direct=config.io_direct,
                 io_engine=config.posix_io_engine,
+                require_writable=require_writable,
             )
         elif stage == "Compress":
             if not isinstance(store, PosixStore):  # pragma: no cover - refused by the schema
@@ -77,23 +80,28 @@ _shared: dict[str, tuple[UcmKVStoreBase, int]] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_store(config: UcmPipelineStoreConfig) -> UcmKVStoreBase:
-    """The process-wide pipeline for ``config`` (built on first use; reference counted).
+def _shared_key(config: UcmPipelineStoreConfig, require_writable: bool) -> str:
+    return f"{config.model_dump_json()}|{require_writable}"
+
+
+def shared_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -> UcmKVStoreBase:
+    """The process-wide pipeline for ``config`` (built on first use; reference counted); ``require_writable`` as
+    in :func:`build_store`.
 
     Pair each call with :func:`release_shared_store`; the last release closes the pipeline (flushing write-backs).
     """
-    key = config.model_dump_json()
+    key = _shared_key(config, require_writable)
     with _shared_lock:
         store, refs = _shared.get(key, (None, 0))
         if store is None:
-            store = build_store(config)
+            store = build_store(config, require_writable)
         _shared[key] = (store, refs + 1)
         return store
 
 
-def release_shared_store(config: UcmPipelineStoreConfig) -> None:
+def release_shared_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -> None:
     """Drop one reference taken by :func:`shared_store`; close the pipeline when none is left."""
-    key = config.model_dump_json()
+    key = _shared_key(config, require_writable)
     with _shared_lock:
         if key not in _shared:
             return

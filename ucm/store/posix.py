@@ -40,10 +40,11 @@ version, codec or block size (another UCM version sharing the directory, or a ca
 place.
 
 Files are created with mode ``0o600`` and shard directories with ``0o700`` (the process umask applies on top): only
-the serving user reads the KV it wrote. The storage directories themselves must exist or be creatable at start; a
-storage directory that disappears while serving (deleted, or unmounted: found on another filesystem than at start)
-is not re-created nor written to: dumps to it fail with one warning per error kind (``ENOENT``, ``ENODEV``) and
-loads miss, until it is back.
+the serving user reads the KV it wrote. The storage directories themselves must exist or be creatable at start,
+and be writable unless the store is opened with ``require_writable=False`` (a ``kv_consumer``: read-only
+directories are then only read). A storage directory that disappears while serving (deleted, or unmounted: found on
+another filesystem than at start) is not re-created nor written to: dumps to it fail with one warning per error kind
+(``ENOENT``, ``ENODEV``) and loads miss, until it is back.
 
 Faults never raise out of ``load``/``dump``: an ``OSError`` (``ENOSPC``, ``EROFS``, ``EACCES``, ``EIO``, ``ENOENT``,
 ...) fails the key, which the caller treats as a miss (load) or as a block not cached (dump). The first failure of
@@ -120,15 +121,26 @@ def _split_backends(storage_backends: str | Sequence[str]) -> list[str]:
     return [os.path.abspath(p) for p in parts]
 
 
-def _prepare_dir(path: str) -> None:
+def _prepare_dir(path: str, require_writable: bool) -> bool:
+    """Check (and create) a storage directory; return whether this process can write to it.
+
+    Raises:
+        ValueError: ``path`` is not a directory, cannot be created, or (with ``require_writable``) is not writable.
+    """
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"storage backend {path!r} exists and is not a directory")
     try:
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"storage backend {path!r} cannot be created: {exc}") from exc
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"storage backend {path!r} is not writable")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ValueError(f"storage backend {path!r} is not readable")
+    writable = os.access(path, os.W_OK | os.X_OK)
+    if not writable and require_writable:
+        raise ValueError(
+            f"storage backend {path!r} is not writable (a read-only store can only serve kv_role: kv_consumer)"
+        )
+    return writable
 
 
 class _Gather:
@@ -199,6 +211,10 @@ class PosixStore(UcmKVStoreBase):
         io_engine: ``"psync"``: the pool threads read and write with positional syscalls (``preadv``/``write``);
             ``"aio"``: block data moves through io_uring ``readv``/``writev`` with many blocks in flight (needs the
             ``liburing`` package and a kernel allowing io_uring; buffered I/O only).
+        require_writable: refuse directories this process cannot write to (default). With ``False`` (a
+            ``kv_consumer``, which only loads) a read-only directory (read-only mount or permissions) is accepted
+            and only read: no namespace file, no temp clean-up or garbage collection there, and a damaged block in
+            it is a miss that stays in place (logged once at start).
 
     Raises:
         ValueError: ``storage_backends`` is empty or has an empty entry; a path exists but is not a directory,
@@ -217,6 +233,7 @@ class PosixStore(UcmKVStoreBase):
         gc_interval_s: float = DEFAULT_GC_INTERVAL_S,
         io_direct: bool = False,
         io_engine: Literal["psync", "aio"] = "psync",
+        require_writable: bool = True,
     ) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
@@ -232,8 +249,9 @@ class PosixStore(UcmKVStoreBase):
                 "with aio, or posix_io_engine: psync with io_direct: true"
             )
         self._dirs = _split_backends(storage_backends)
-        for d in self._dirs:
-            _prepare_dir(d)
+        self._read_only_dirs = {d for d in self._dirs if not _prepare_dir(d, require_writable)}
+        for d in sorted(self._read_only_dirs):
+            logger.info("posix store: storage backend %s is read-only: blocks are only loaded from it", d)
         # The filesystem each directory is on at start: a directory found on another one later was unmounted (its
         # mount point shows) and is not written to until it is back.
         self._dir_devs = {d: os.stat(d).st_dev for d in self._dirs}
@@ -264,7 +282,8 @@ class PosixStore(UcmKVStoreBase):
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="ucm-posix-gc", daemon=True)
-        self._maintenance.start()
+        if len(self._read_only_dirs) < len(self._dirs):  # nothing to clean up or collect where nothing is written
+            self._maintenance.start()
 
     @property
     def dirs(self) -> list[str]:
@@ -400,6 +419,8 @@ class PosixStore(UcmKVStoreBase):
         self._ns_tag = namespace_tag(tag)
         text = json.dumps({"tag": f"{self._ns_tag:08x}", **info}, sort_keys=True, indent=1)
         for d in self._dirs:
+            if d in self._read_only_dirs:
+                continue
             path = os.path.join(d, NAMESPACE_DIR, f"{self._ns_tag:08x}.json")
             try:
                 with open(path) as f:
@@ -439,9 +460,10 @@ class PosixStore(UcmKVStoreBase):
             self._uring.close()
         self._stop.set()
         self._wakeup.set()
-        self._maintenance.join()
-        if self._capacity is not None:
-            self._collect_logged()
+        if self._maintenance.is_alive() or self._maintenance.ident is not None:
+            self._maintenance.join()
+            if self._capacity is not None:
+                self._collect_logged()
 
     def collect_garbage(self) -> GcResult:
         """Scan the directories, remove stale temp files and, above the capacity, least recently used block files
@@ -453,7 +475,7 @@ class PosixStore(UcmKVStoreBase):
         with self._gc_lock:
             with self._usage_lock:
                 self._written_since_scan = 0
-            scan = scan_store(self._dirs)
+            scan = scan_store([d for d in self._dirs if d not in self._read_only_dirs])
             temps = delete_files(scan.stale_temps(self._tmp_age_s))
             plan = []
             if self._capacity is not None and scan.block_bytes > self._capacity:

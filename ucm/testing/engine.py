@@ -91,6 +91,16 @@ class RequestResult:
     total_blocks: int = -1
 
 
+def _uses_ucm(transfer: dict[str, Any] | None) -> bool:
+    """Whether a ``kv_transfer_config`` is UCMConnector or a MultiConnector holding one."""
+    if not transfer:
+        return False
+    if transfer.get("kv_connector") == UCM_CONNECTOR:
+        return True
+    children = (transfer.get("kv_connector_extra_config") or {}).get("connectors") or []
+    return any(_uses_ucm(child) for child in children)
+
+
 def run_engine(
     spec: dict[str, Any],
     env: dict[str, str] | None = None,
@@ -121,7 +131,7 @@ def run_engine(
     raw = json.loads(lines[-1][len(_RESULT_PREFIX) :])
     results = [RequestResult(**r) for r in raw]
     hits = _HIT_RE.findall(proc.stderr)
-    if spec.get("connector") and spec["connector"].get("kv_connector") == UCM_CONNECTOR:
+    if _uses_ucm(spec.get("connector")):
         if len(hits) != len(results):
             raise RuntimeError(f"expected {len(results)} UCM request lines, found {len(hits)}:\n{proc.stderr[-4000:]}")
         for r, (_, total, hbm, ext) in zip(results, hits, strict=True):

@@ -15,11 +15,15 @@ class BlockTransfer:
         req_id: vLLM request id.
         keys: 16-byte block keys (rank-independent; workers derive per-rank keys).
         block_ids: vLLM block ids, ``block_ids[i]`` holding ``keys[i]``.
+        durable: dumps only: the step must not end before these blocks are in the store's last stage (visible to
+            every instance sharing it), because the request's response tells another instance to load them
+            (prefill/decode disaggregation, ``kv_transfer_params.do_remote_decode``).
     """
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    durable: bool = False
 
 
 @dataclass

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# kv_transfer_params keys (vLLM's P/D protocol: the proxy sends ``do_remote_decode`` to the prefill instance and
+# passes what the prefill response returns on to the decode instance).
+DO_REMOTE_DECODE = "do_remote_decode"
+PREFILL_BLOCKS = "ucm_prefill_blocks"  # full prompt blocks the prefill instance has put in the store
+
 
 @dataclass
 class _RequestState:
@@ -31,6 +36,7 @@ class _RequestState:
     next_dump: int = 0  # index of the next prompt block to dump
     block_ids: list[int] | None = None
     logged: bool = False
+    remote_decode: bool = False  # prefill for another instance: dumps must be durable before the response
 
 
 def _mm_block_extras(request: Request, num_blocks: int, block_size: int) -> list[list[str]] | None:
@@ -125,10 +131,11 @@ class UCMScheduler:
         A hit on the whole prompt leaves its last token to compute (vLLM needs one token to produce logits).
         """
         state = self._requests.get(request.request_id)
+        params = request.kv_transfer_params or {}
         if state is None:
             keys = self._keys(request)
             num_stored = self._lookup(keys)
-            state = _RequestState(keys=keys, num_stored=num_stored)
+            state = _RequestState(keys=keys, num_stored=num_stored, remote_decode=bool(params.get(DO_REMOTE_DECODE)))
             self._requests[request.request_id] = state
         else:  # called again (not scheduled last time, or preempted): the store may have changed
             state.num_stored = self._lookup(state.keys)
@@ -143,6 +150,15 @@ class UCMScheduler:
             num_external = max(num_external, 0)
         if not state.logged:
             state.logged = True
+            expected = params.get(PREFILL_BLOCKS)
+            if self._load and isinstance(expected, int) and state.num_stored < expected:
+                logger.warning(
+                    "request_id: %s: the prefill instance stored %d blocks, the store has the first %d; "
+                    "recomputing the rest (is storage_backends the same directory on both instances?)",
+                    request.request_id,
+                    expected,
+                    state.num_stored,
+                )
             logger.info(
                 "request_id: %s, total_blocks_num: %d, hit hbm: %d, hit external: %d",
                 request.request_id,
@@ -200,11 +216,25 @@ class UCMScheduler:
             full = min(len(state.keys), done_tokens // self._block_size, len(state.block_ids))
             if full > state.next_dump:
                 meta.dumps.append(
-                    BlockTransfer(req_id, state.keys[state.next_dump : full], state.block_ids[state.next_dump : full])
+                    BlockTransfer(
+                        req_id,
+                        state.keys[state.next_dump : full],
+                        state.block_ids[state.next_dump : full],
+                        durable=state.remote_decode,
+                    )
                 )
                 state.next_dump = full
         return meta
 
-    def request_finished(self, request_id: str) -> None:
-        """Forget a finished request."""
-        self._requests.pop(request_id, None)
+    def request_finished(self, request_id: str) -> dict[str, int] | None:
+        """Forget a finished request; return the ``kv_transfer_params`` for its response.
+
+        A request sent with ``kv_transfer_params.do_remote_decode`` (a prefill for another instance) gets
+        ``{"ucm_prefill_blocks": n}``: its first ``n`` full prompt blocks are in the store (their dumps were made
+        durable before the step ended, see :class:`~ucm.integration.vllm.metadata.BlockTransfer`). The proxy passes
+        it to the decode instance, which warns when its store holds fewer. Other requests: ``None``.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None or not state.remote_decode or not self._dump:
+            return None
+        return {PREFILL_BLOCKS: min(state.next_dump, len(state.keys))}

@@ -78,9 +78,11 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._ucm_config = config_from_extra_config(transfer.kv_connector_extra_config)
         _log_config_once(self._ucm_config)
         self._spec = kv_spec(kv_cache_config)
-        self._store = shared_store(self._ucm_config.store)
-        self._closed = False
         load, dump = kv_role in ("kv_both", "kv_consumer"), kv_role in ("kv_both", "kv_producer")
+        # A kv_consumer only loads: it may serve from a read-only store (e.g. a read-only mount of the shared dir).
+        self._require_writable = dump
+        self._store = shared_store(self._ucm_config.store, self._require_writable)
+        self._closed = False
 
         self._scheduler: UCMScheduler | None = None
         self._worker: UCMWorker | None = None
@@ -154,7 +156,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._closed = True
         if self._worker is not None:
             self._worker.shutdown()
-        release_shared_store(self._ucm_config.store)
+        release_shared_store(self._ucm_config.store, self._require_writable)
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -176,10 +178,11 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.forget_failed_keys(meta.failed_keys)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Dumps are gathered during the step that fills a block, so blocks can be freed at once.
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request.request_id)
-        return False, None
+        # Dumps are gathered during the step that fills a block, so blocks can be freed at once. A prefill for
+        # another instance (kv_transfer_params.do_remote_decode) returns what the decode instance will find.
+        if self._scheduler is None:
+            return False, None
+        return False, self._scheduler.request_finished(request.request_id)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

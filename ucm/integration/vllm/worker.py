@@ -138,7 +138,10 @@ class UCMWorker:
 
         The gather copies the blocks out of vLLM's paged KV into a fresh staging buffer, so vLLM may reuse those
         blocks as soon as this returns; the store writes the staging buffer in the background (kept alive until its
-        task is done, reaped on later steps and at :meth:`shutdown`)."""
+        task is done, reaped on later steps and at :meth:`shutdown`). Exception: when a dump is ``durable`` (a
+        prefill whose KV another instance will load), this also waits until the store's task is done, i.e. the
+        blocks are written through every stage (renamed into place in the Posix directory), so the request's
+        response cannot reach the proxy before its KV is visible to other instances."""
         self._reap_dumps(block=False)
         if not meta.dumps or self._layout is None:
             return
@@ -151,16 +154,25 @@ class UCMWorker:
             staging = gather_blocks(self._kv_caches, ids, self._layout).to("cpu")
         rows = staging.view(torch.uint8).view(len(keys), -1)
         ranked = rank_keys(keys, self._tp_rank, self._tp_size)
+        logger.debug("dumping %d blocks: vLLM block ids %s", len(keys), block_ids)
         task = self._store.dump(ranked, rows)
-        # Keep the staging buffer alive until the store has finished with it.
-        self._pending_dumps.append((task, rows, len(keys)))
+        if any(t.durable for t in meta.dumps):
+            # A prefill for another instance: its response must not leave before the blocks are in storage.
+            t_wait = time.perf_counter()
+            result = self._store.wait(task)
+            self._store.flush()  # also blocks of this dump that an earlier, still running write-back is writing
+            if result.failed:
+                logger.warning("%d of %d blocks were not stored", len(result.failed), len(keys))
+            logger.debug("durable dump of %d blocks: waited %.1f ms", len(keys), (time.perf_counter() - t_wait) * 1e3)
+        else:
+            # Keep the staging buffer alive until the store has finished with it.
+            self._pending_dumps.append((task, rows, len(keys)))
         # Blocks the store can already serve (e.g. copied into the DRAM tier), reported to the scheduler.
         start = 0
         for t in meta.dumps:
             n = len(t.keys)
             self._stored_keys.extend(t.keys[: self._store.lookup(ranked[start : start + n])])
             start += n
-        logger.debug("dumping %d blocks: vLLM block ids %s", len(keys), block_ids)
 
     def _reap_dumps(self, block: bool) -> None:
         still: list[tuple[Task, torch.Tensor, int]] = []

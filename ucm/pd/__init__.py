@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation through the shared UCM store: the xPyD proxy (:mod:`ucm.pd.proxy`)."""
