@@ -23,6 +23,11 @@ timed requests ask for 1 token; the same real-text prompt of ``--prompt-tokens``
   (``sync; echo 3 > /proc/sys/vm/drop_caches``; ``page_cache_dropped`` says whether that worked). The engine start
   re-reads the model weights (so those are in the page cache again), but the KV files are first read by the
   measured request. Median over ``--restarts`` restarts (one measurement per restart).
+- ``ucm_compressed_storage_hit_ms``: the same as ``ucm_storage_hit_ms`` with ``Cache|Compress|Posix`` (KVfold
+  lossless): a fill process on its own fresh store (the prompt, then its 16-token answer), then per restart the page
+  cache dropped and a new process running the prompt once (median over restarts); ``compressed_over_uncompressed``
+  divides it by ``ucm_storage_hit_ms``. ``store_bytes`` gives both stores' block files (count, mean bytes per file;
+  the uncompressed store also holds the multi-turn blocks).
 - ``example_connector_restart_ms``: vLLM's built-in ``ExampleConnector`` (safetensors files): one process fills, a
   second process (restart, page cache dropped before it as well) runs the prompt once. An error is recorded as
   text instead of a number.
@@ -127,9 +132,9 @@ def request(prompt: str, max_tokens: int = 1, reset: bool = False) -> dict[str, 
     return {"prompt": prompt, "max_tokens": max_tokens, "reset_prefix_cache": reset}
 
 
-def ucm_connector(store_dir: Path) -> dict[str, Any]:
-    """kv_transfer_config for UCM ``Cache|Posix`` over ``store_dir`` (inline config)."""
-    store = {"store_pipeline": "Cache|Posix", "storage_backends": str(store_dir)}
+def ucm_connector(store_dir: Path, pipeline: str = "Cache|Posix") -> dict[str, Any]:
+    """kv_transfer_config for UCM ``pipeline`` over ``store_dir`` (inline config)."""
+    store = {"store_pipeline": pipeline, "storage_backends": str(store_dir)}
     return ucm_transfer_config(
         {"ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": store}]}
     )
@@ -341,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     # Same disk as the repository (not /dev/shm): the storage tier is a real file system.
     work = Path(tempfile.mkdtemp(prefix=".e2e_ttft-", dir=REPO))
     ucm_store, example_store, log_dir = work / "ucm_store", work / "example_store", work / "logs"
-    for d in (ucm_store, example_store, log_dir):
+    compress_store = work / "ucm_compress_store"
+    store_bytes: dict[str, dict[str, int]] = {}
+    for d in (ucm_store, example_store, log_dir, compress_store):
         d.mkdir()
     try:
         # 1 + 4 (without UCM): recompute; its first run of the prompt is the cold run without UCM.
@@ -354,10 +361,14 @@ def main(argv: list[str] | None = None) -> int:
         ex_fill = run_phase(
             "example_fill", model, example_connector(example_store), True, [request(main_prompt), *turns_fill], log_dir
         )
+        # 5 with KVfold: a fresh Cache|Compress|Posix store.
+        compressed = ucm_connector(compress_store, "Cache|Compress|Posix")
+        zfill = run_phase("ucm_compress_fill", model, compressed, True, [request(main_prompt), answer], log_dir)
         # 5 + 6 + 7: restarts, page cache dropped before each process starts.
         dropped: list[bool] = []
         ucm_restarts: list[Phase] = []
         ex_restarts: list[Phase] = []
+        z_restarts: list[Phase] = []
         for k in range(args.restarts):
             first = k == 0
             dropped.append(drop_page_cache())
@@ -372,6 +383,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             dropped.append(drop_page_cache())
+            z_restarts.append(
+                run_phase(
+                    f"ucm_compress_restart{k}",
+                    model,
+                    compressed,
+                    True,
+                    [request(main_prompt), *([answer] if first else [])],
+                    log_dir,
+                )
+            )
+            dropped.append(drop_page_cache())
             ex_restarts.append(
                 run_phase(
                     f"example_restart{k}",
@@ -382,14 +404,17 @@ def main(argv: list[str] | None = None) -> int:
                     log_dir,
                 )
             )
+        for name, d in (("Cache|Posix", ucm_store), ("Cache|Compress|Posix", compress_store)):
+            sizes = [p.stat().st_size for p in d.rglob("*.ucmb") if not p.name.startswith(".")]
+            store_bytes[name] = {"files": len(sizes), "bytes_per_block": round(statistics.mean(sizes)) if sizes else 0}
         if args.keep_logs:
             shutil.copytree(log_dir, args.keep_logs, dirs_exist_ok=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     # ------------------------------------------------------------------------------ numbers and checks
-    all_phases = (recompute, inmem, ucm_fill, ex_fill, *ucm_restarts, *ex_restarts)
-    for phase in (recompute, inmem, ucm_fill, *ucm_restarts):
+    all_phases = (recompute, inmem, ucm_fill, ex_fill, zfill, *ucm_restarts, *z_restarts, *ex_restarts)
+    for phase in (recompute, inmem, ucm_fill, zfill, *ucm_restarts, *z_restarts):
         if phase.error:
             problems.append(f"{phase.name} failed: {error_report(phase)}")
     answer_at = 1 + r  # index of the answer request in recompute / inmemory / ucm_fill (warm-up removed)
@@ -404,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     for phase in ucm_restarts:
         if not phase.error:
             expect_hits(phase, [0, 1] if phase is ucm_restarts[0] else [0], "hit after restart", problems)
+    for phase in z_restarts:
+        if not phase.error:
+            expect_hits(phase, [0, 1] if phase is z_restarts[0] else [0], "compressed hit after restart", problems)
 
     cold_without = recompute.ttft(0)
     cold_with = ucm_fill.ttft(0)
@@ -412,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     # Only repeats that UCM served in full count as DRAM hits (others are listed in problems, their TTFT in raw).
     dram_ms = median([ucm_fill.ttft(i) for i in range(1, 1 + r) if served(ucm_fill, i)])
     storage_ms = median([p.ttft(0) for p in ucm_restarts if served(p, 0)])
+    zstorage_ms = median([p.ttft(0) for p in z_restarts if served(p, 0)])
     ex_ok = [p for p in ex_restarts if not p.error]
     example_ms: float | str | None
     if ex_fill.error:
@@ -425,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         return phase.results[index].token_ids if index < len(phase.results) else None
 
     baseline = tokens(recompute, answer_at)
-    compared = {"ucm_dram_hit": tokens(ucm_fill, answer_at), "ucm_after_restart": tokens(ucm_restarts[0], 1)}
+    compared = {
+        "ucm_dram_hit": tokens(ucm_fill, answer_at),
+        "ucm_after_restart": tokens(ucm_restarts[0], 1),
+        "ucm_compressed_after_restart": tokens(z_restarts[0], 1),
+    }
     outputs_identical: bool | None = None
     if baseline is not None and all(v is not None for v in compared.values()):
         outputs_identical = all(v == baseline for v in compared.values())
@@ -470,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
         "inmemory_hit_ms": inmem_ms,
         "ucm_dram_hit_ms": dram_ms,
         "ucm_storage_hit_ms": storage_ms,
+        "ucm_compressed_storage_hit_ms": zstorage_ms,
+        "compressed_over_uncompressed": ratio(zstorage_ms, storage_ms),
+        "store_bytes": store_bytes,
         "example_connector_restart_ms": example_ms,
         "cold_without_ucm_ms": cold_without,
         "cold_with_ucm_ms": cold_with,
@@ -480,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         "ucm_hit_blocks": {
             "dram_hit": [ucm_fill.results[i].hit_external for i in range(1, min(1 + r, len(ucm_fill.results)))],
             "storage_hit": [p.results[0].hit_external for p in ucm_restarts if p.results],
+            "compressed_storage_hit": [p.results[0].hit_external for p in z_restarts if p.results],
             "total_blocks": ucm_fill.results[0].total_blocks if ucm_fill.results else None,
         },
         "multiturn": multiturn,
@@ -527,6 +564,7 @@ def print_table(s: dict[str, Any]) -> None:
         ("vLLM in-memory prefix hit", s["inmemory_hit_ms"]),
         ("UCM DRAM hit (vLLM prefix caching off)", s["ucm_dram_hit_ms"]),
         ("UCM storage hit after restart", s["ucm_storage_hit_ms"]),
+        ("UCM storage hit after restart, KVfold lossless", s["ucm_compressed_storage_hit_ms"]),
         ("ExampleConnector after restart", s["example_connector_restart_ms"]),
         ("cold, without UCM", s["cold_without_ucm_ms"]),
         ("cold, with UCM (fresh store)", s["cold_with_ucm_ms"]),
@@ -541,8 +579,10 @@ def print_table(s: dict[str, Any]) -> None:
         "storage_hit_over_inmemory_hit",
         "cold_overhead",
         "recompute_over_storage_hit",
+        "compressed_over_uncompressed",
     ):
         print(f"{key:<48}{fmt(s[key])}")
+    print(f"block files: {s['store_bytes']}")
     print(f"\nmulti-turn after restart (prefix cache reset before each turn), prompt tokens {mt['turn_prompt_tokens']}")
     print(f"{'turn':<6}{'UCM ms':>10}{'UCM hit/total blocks':>22}{'Example ms':>12}")
     ex = mt["example_restart_ttft_ms"]

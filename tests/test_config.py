@@ -178,11 +178,38 @@ def test_unsupported_pipeline(pipeline: str) -> None:
 
 
 @pytest.mark.parametrize("pipeline", ["Cache|Compress|Posix", "Compress|Posix"])
-def test_planned_pipeline_not_built(pipeline: str) -> None:
-    msg = config_error(store_cfg(store_pipeline=pipeline))
-    assert "store_pipeline" in msg
-    assert "Compress" in msg
-    assert "'Cache|Posix'" in msg
+def test_compress_pipelines_lossless_by_default(pipeline: str) -> None:
+    store = parse_config(store_cfg(store_pipeline=pipeline)).store
+    assert store.store_pipeline == pipeline
+    assert (store.compress_mode, store.compress_ratio, store.data_type) == ("lossless", 32, 0)
+
+
+def test_compress_fixed_rate_16_accepted() -> None:
+    store = parse_config(
+        store_cfg(store_pipeline="Cache|Compress|Posix", compress_mode="fixed_rate", compress_ratio=16)
+    ).store
+    assert (store.compress_mode, store.compress_ratio) == ("fixed_rate", 16)
+
+
+def test_seed_ratio_16_without_fixed_rate_is_refused() -> None:
+    # The seeds' "compress_ratio: 16" alone would silently be lossy: refused, naming the opt-in.
+    msg = config_error(store_cfg(store_pipeline="Cache|Compress|Posix", compress_ratio=16))
+    assert "compress_ratio 16" in msg and "'lossless'" in msg
+    assert "compress_mode: fixed_rate" in msg and "[16]" in msg
+
+
+@pytest.mark.parametrize("ratio", [32, 8, 20], ids=["off", "8", "20"])
+def test_fixed_rate_needs_a_built_ratio(ratio: int) -> None:
+    msg = config_error(store_cfg(store_pipeline="Compress|Posix", compress_mode="fixed_rate", compress_ratio=ratio))
+    assert f"compress_ratio {ratio}" in msg and "[16]" in msg
+
+
+def test_compress_mode_and_data_type_values() -> None:
+    msg = config_error(store_cfg(store_pipeline="Compress|Posix", compress_mode="zip"))
+    assert "compress_mode" in msg and "'zip'" in msg and "'lossless'" in msg and "'fixed_rate'" in msg
+    msg = config_error(store_cfg(store_pipeline="Compress|Posix", data_type=1))
+    assert "data_type 1" in msg and "allowed: 0 (bf16)" in msg
+    assert parse_config(store_cfg(store_pipeline="Compress|Posix", compress_mode="off")).store.compress_mode == "off"
 
 
 def test_pipeline_spaces_are_normalized() -> None:
@@ -219,9 +246,11 @@ def test_posix_io_engine_aio_refuses_io_direct() -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("compress_ratio", 8), ("data_type", 1), ("decompress_thread_num", 2)], ids=lambda v: str(v)
+    ("key", "value"),
+    [("compress_ratio", 8), ("data_type", 1), ("decompress_thread_num", 2), ("compress_mode", "off")],
+    ids=lambda v: str(v),
 )
-def test_compress_keys_need_compress_stage(key: str, value: int) -> None:
+def test_compress_keys_need_compress_stage(key: str, value: Any) -> None:
     msg = config_error(store_cfg(store_pipeline="Cache|Posix", **{key: value}))
     assert key in msg
     assert "Compress" in msg

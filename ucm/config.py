@@ -29,9 +29,14 @@ CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
 DEFAULT_STORAGE_DIR = ".ucm_store"
 GIB = 1 << 30
 
-# Pipelines this version builds. ``Cache|Compress|Posix`` (KVfold) is part of the design but not built yet.
-SUPPORTED_PIPELINES = ("Cache|Posix", "Posix")
-PLANNED_PIPELINES = ("Cache|Compress|Posix", "Compress|Posix")
+# Pipelines this version builds.
+SUPPORTED_PIPELINES = ("Cache|Posix", "Posix", "Cache|Compress|Posix", "Compress|Posix")
+# KVfold (Compress stage) settings; kept in step with ucm.store.compress (checked there too).
+COMPRESS_MODES = ("lossless", "fixed_rate", "off")
+FIXED_RATE_RATIOS = (16,)
+COMPRESS_RATIO_OFF = 32
+DATA_TYPES = {0: "bf16"}
+_COMPRESS_DEFAULTS = {"compress_mode": "lossless", "compress_ratio": 32, "data_type": 0, "decompress_thread_num": 4}
 
 
 class UcmConfigError(ValueError):
@@ -45,7 +50,11 @@ class _Strict(BaseModel):
 class UcmPipelineStoreConfig(_Strict):
     """``ucm_connector_config`` of a ``UcmPipelineStore``: the store pipeline and its stages' settings."""
 
-    store_pipeline: str = Field("Cache|Posix", description="Stages top first, joined by '|': 'Cache|Posix' or 'Posix'.")
+    store_pipeline: str = Field(
+        "Cache|Posix",
+        description="Stages top first, joined by '|': 'Cache|Posix', 'Posix', 'Cache|Compress|Posix' or "
+        "'Compress|Posix'.",
+    )
     storage_backends: str = Field(
         DEFAULT_STORAGE_DIR,
         description="Posix stage: directory, or several joined by ':' (blocks spread by key).",
@@ -71,10 +80,24 @@ class UcmPipelineStoreConfig(_Strict):
         description="Posix stage: most GiB of block files over all storage_backends; least recently used blocks "
         "are garbage-collected above it (null: unbounded).",
     )
-    compress_ratio: int = Field(32, description="Compress stage (KVfold): 32 = off. Needs a Compress stage.")
-    data_type: int = Field(0, description="Compress stage: KV dtype code, 0 = BF16. Needs a Compress stage.")
+    compress_mode: Literal["lossless", "fixed_rate", "off"] = Field(
+        "lossless",
+        description="Compress stage (KVfold): 'lossless' (bit-exact, about 1.48x on bf16 KV), 'fixed_rate' "
+        "(LOSSY, size set by compress_ratio) or 'off' (stored raw). Needs a Compress stage.",
+    )
+    compress_ratio: int = Field(
+        32,
+        description="Compress stage: stored size in 1/32 of the raw size; 32 = not fixed-rate (the default, with "
+        "lossless or off); 16 = 8 bits per value (int8 + a bf16 scale per (token, head)), only with compress_mode: "
+        "fixed_rate. Needs a Compress stage.",
+    )
+    data_type: int = Field(
+        0,
+        description="Compress stage: KV dtype code the codec compresses, 0 = BF16 (other KV dtypes are stored "
+        "raw). Needs a Compress stage.",
+    )
     decompress_thread_num: int = Field(
-        4, ge=1, description="Compress stage: decompression threads. Needs a Compress stage."
+        4, ge=1, le=1024, description="Compress stage: encode/decode threads. Needs a Compress stage."
     )
 
     @field_validator("cache_buffer_capacity_gb", "posix_capacity_gb", mode="before")
@@ -87,11 +110,6 @@ class UcmPipelineStoreConfig(_Strict):
     @classmethod
     def _known_pipeline(cls, value: str) -> str:
         normalized = "|".join(part.strip() for part in value.split("|"))
-        if normalized in PLANNED_PIPELINES:
-            raise ValueError(
-                f"store_pipeline {value!r} needs the Compress (KVfold) stage, which this UCM version does not "
-                f"build yet; allowed: {', '.join(map(repr, SUPPORTED_PIPELINES))}"
-            )
         if normalized not in SUPPORTED_PIPELINES:
             raise ValueError(
                 f"store_pipeline {value!r} is not a known pipeline; allowed: "
@@ -109,13 +127,32 @@ class UcmPipelineStoreConfig(_Strict):
     @model_validator(mode="after")
     def _compress_keys_need_compress_stage(self) -> UcmPipelineStoreConfig:
         if "Compress" not in self.store_pipeline.split("|"):
-            defaults = {"compress_ratio": 32, "data_type": 0, "decompress_thread_num": 4}
+            defaults = _COMPRESS_DEFAULTS
             changed = [k for k, v in defaults.items() if getattr(self, k) != v]
             if changed:
                 raise ValueError(
                     f"{', '.join(changed)} only apply to a pipeline with a Compress stage; "
                     f"store_pipeline is {self.store_pipeline!r}: remove them or leave the defaults {defaults}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _compress_settings(self) -> UcmPipelineStoreConfig:
+        if self.data_type not in DATA_TYPES:
+            raise ValueError(f"data_type {self.data_type!r} is not supported; allowed: 0 (bf16)")
+        if self.compress_mode == "fixed_rate":
+            if self.compress_ratio not in FIXED_RATE_RATIOS:
+                raise ValueError(
+                    f"compress_ratio {self.compress_ratio!r} is not a fixed rate this version builds; allowed with "
+                    f"compress_mode: fixed_rate: {list(FIXED_RATE_RATIOS)} (16 = 8 bits per value, lossy)"
+                )
+        elif self.compress_ratio != COMPRESS_RATIO_OFF:
+            raise ValueError(
+                f"compress_ratio {self.compress_ratio!r} is a lossy fixed rate, but compress_mode is "
+                f"{self.compress_mode!r}; allowed: compress_ratio: {COMPRESS_RATIO_OFF} (the default) with "
+                f"compress_mode: {self.compress_mode}, or compress_mode: fixed_rate with compress_ratio in "
+                f"{list(FIXED_RATE_RATIOS)} to accept lossy KV"
+            )
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ from tests.store.blocks import make_blocks, make_keys, poisoned
 from ucm.config import UcmPipelineStoreConfig, parse_config
 from ucm.store import pipeline
 from ucm.store.cache import CacheStore
+from ucm.store.compress import CompressStore
 from ucm.store.pipeline import build_store, release_shared_store, shared_store
 from ucm.store.posix import PosixStore
 
@@ -69,6 +70,33 @@ def test_build_posix_only(tmp_path: Path) -> None:
         assert store.dirs == [str(tmp_path / "kv")]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("spec", ["Cache|Compress|Posix", "Compress|Posix"])
+def test_build_compress_pipelines_round_trip_across_restart(tmp_path: Path, spec: str) -> None:
+    cfg = store_config(tmp_path, spec, compress_mode="fixed_rate", compress_ratio=16, decompress_thread_num=2)
+    keys = make_keys(3, seed=21)
+    # bf16 values of a normal distribution (random bytes would hold NaNs: stored lossless)
+    blocks = torch.randn(3, 2048, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16).view(torch.uint8)
+    store = build_store(cfg)
+    try:
+        compress = store._inner if spec.startswith("Cache") else store  # type: ignore[attr-defined]
+        assert isinstance(compress, CompressStore)
+        assert isinstance(compress.inner, PosixStore)
+        assert store.wait(store.dump(keys, blocks)).ok
+        store.flush()
+    finally:
+        store.close()
+    # A restart with the default (lossless) settings reads the fixed-rate blocks as they were stored.
+    again = build_store(store_config(tmp_path, spec))
+    try:
+        dst = poisoned(3, blocks.shape[1])
+        assert again.wait(again.load(keys, dst)).ok
+        x, y = blocks.view(torch.bfloat16).float(), dst.view(torch.bfloat16).float()
+        assert not torch.equal(x, y)
+        assert float(((x - y).pow(2).mean() / x.pow(2).mean()).sqrt()) < 0.015
+    finally:
+        again.close()
 
 
 def test_build_refuses_an_unknown_pipeline(tmp_path: Path) -> None:

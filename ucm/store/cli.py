@@ -48,12 +48,14 @@ from tqdm import tqdm
 from ucm.config import GIB, UcmConfigError, load_config_file
 from ucm.store.posix import (
     _FOREIGN,
+    CODEC_KVFOLD,
     CODEC_RAW,
     FILE_SUFFIX,
     FORMAT_VERSION,
     HEADER,
     HEADER_NBYTES,
     MAGIC,
+    _read_encoded,
     _read_validated,
     _remove_if_unchanged,
 )
@@ -238,15 +240,21 @@ def verify_file(path: str) -> tuple[str | None, os.stat_result]:
             return f"file name {os.path.basename(path)!r} is not a {KEY_NBYTES}-byte hex key", st
         head = os.pread(fd, HEADER_NBYTES, 0)
         payload_nbytes = 0
-        if len(head) == HEADER_NBYTES:
+        reason: str | None
+        if len(head) == HEADER_NBYTES and HEADER.unpack(head)[:3] == (MAGIC, FORMAT_VERSION, CODEC_KVFOLD):
+            # A compressed (KVfold) block: variable size; checked whole (header, key, size, checksum).
+            reason, _ = _read_encoded(fd, st.st_size, key, st.st_size, None)
+        elif len(head) == HEADER_NBYTES:
             magic, version, codec, _reserved, nbytes, _key, _checksum = HEADER.unpack(head)
             if (magic, version, codec) == (MAGIC, FORMAT_VERSION, CODEC_RAW):
                 if nbytes > st.st_size - HEADER_NBYTES:
                     # Truncated (or a size flipped in the header): do not allocate what the header claims.
                     return f"file is {st.st_size} bytes, expected {HEADER_NBYTES + nbytes}", st
                 payload_nbytes = nbytes
-        # Other headers get an empty buffer: _read_validated rejects them (bad magic, foreign) before the size.
-        reason = _read_validated(fd, st.st_size, key, memoryview(bytearray(payload_nbytes)))
+            # Other headers get an empty buffer: _read_validated rejects them (bad magic, foreign) before the size.
+            reason = _read_validated(fd, st.st_size, key, memoryview(bytearray(payload_nbytes)))
+        else:
+            reason = _read_validated(fd, st.st_size, key, memoryview(bytearray(0)))
         after = os.fstat(fd)
         if after.st_atime_ns != st.st_atime_ns:  # O_NOATIME was refused: put the atime back (best effort)
             with contextlib.suppress(OSError):

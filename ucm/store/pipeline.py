@@ -1,4 +1,5 @@
-"""Build a store pipeline from its config string (``Cache|Posix``, ``Posix``), top stage first.
+"""Build a store pipeline from its config string (``Cache|Posix``, ``Posix``, ``Cache|Compress|Posix``,
+``Compress|Posix``), top stage first.
 
 Within one process, every caller with the same config gets the same pipeline object (:func:`shared_store`), so
 vLLM's scheduler-side lookups see the DRAM cache that the worker in the same process fills.
@@ -13,6 +14,7 @@ from ucm.config import SUPPORTED_PIPELINES, UcmPipelineStoreConfig
 from ucm.logger import init_logger
 from ucm.store.base import UcmKVStoreBase
 from ucm.store.cache import CacheStore
+from ucm.store.compress import CompressStore
 from ucm.store.posix import PosixStore
 
 logger = init_logger(__name__)
@@ -55,11 +57,21 @@ def build_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -
                 io_engine=config.posix_io_engine,
                 require_writable=require_writable,
             )
+        elif stage == "Compress":
+            if not isinstance(store, PosixStore):  # pragma: no cover - refused by the schema
+                raise ValueError("the Compress stage must sit directly on the Posix stage")
+            store = CompressStore(
+                store,
+                mode=config.compress_mode,
+                compress_ratio=config.compress_ratio,
+                data_type=config.data_type,
+                threads=config.decompress_thread_num,
+            )
         elif stage == "Cache":
             _warn_if_larger_than_memory(config.cache_buffer_capacity_bytes)
             store = CacheStore(store, config.cache_buffer_capacity_bytes)
         else:  # pragma: no cover - refused by the schema
-            raise ValueError(f"unknown store stage {stage!r}; allowed: Cache, Posix")
+            raise ValueError(f"unknown store stage {stage!r}; allowed: Cache, Compress, Posix")
     assert store is not None
     return store
 

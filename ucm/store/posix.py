@@ -12,7 +12,8 @@ offset  size   field
 ======  =====  =============================================================
 0       4      magic ``b"UCMB"``
 4       2      format version (u16, ``FORMAT_VERSION`` = 1)
-6       2      codec (u16, ``CODEC_RAW`` = 0: the payload is the block's bytes)
+6       2      codec (u16): ``CODEC_RAW`` = 0: the payload is the block's bytes; ``CODEC_KVFOLD`` = 1: a KVfold
+               container (``ucm.store.kvfold``) written through :meth:`PosixStore.dump_encoded`
 8       4      namespace tag (u32): the first 4 bytes of the model namespace digest, 0 when not set (see
                ``set_namespace``); informational (the key already separates namespaces), not checked on load
 12      8      payload size in bytes (u64)
@@ -25,6 +26,12 @@ A file is complete or absent: ``dump`` writes a hidden temporary file
 (``.<hex>.<pid>.<thread id>.<random hex>.tmp``) in the final shard directory and renames it over the final
 name (``os.replace``), so ``lookup`` never sees a half-written block. Files are not fsync'ed: a file torn by a
 power loss fails the size or checksum check on ``load`` and is reported as a miss, never as data.
+
+Encoded blocks (the ``Compress`` stage): :meth:`PosixStore.dump_encoded` stores a payload of any size with the
+codec the caller names; :meth:`PosixStore.load_encoded` returns a file's codec and payload after checking magic,
+version, key, exact size and checksum (the checksum covers the stored, i.e. compressed, bytes). Encoded loads run on
+the pool threads with positional reads for either engine; encoded dumps use the configured engine. A plain ``load``
+(``Cache|Posix``) reports a file of another codec as a miss and keeps it.
 
 ``load`` validates magic, version, codec, payload size, key, exact file size (no trailing bytes) and checksum
 before reporting a block as loaded; anything else is a failed key (a cache miss for the caller). A damaged file is
@@ -93,6 +100,7 @@ logger = init_logger(__name__)
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
 CODEC_RAW = 0
+CODEC_KVFOLD = 1  # a KVfold container (ucm.store.kvfold), written by the Compress stage
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 GC_LOW_WATERMARK = 0.9  # a collection removes blocks down to this fraction of the capacity
@@ -342,10 +350,63 @@ class PosixStore(UcmKVStoreBase):
         check_keys_and_buffer(keys, src, "src")
         return self._submit_all(
             keys,
-            lambda i: self._dump_one(keys[i], src[i]),
-            lambda i, done: self._dump_start(keys[i], src[i], done),
+            lambda i: self._dump_one(keys[i], _bytes_of(src[i])),
+            lambda i, done: self._dump_start(keys[i], _bytes_of(src[i]), done),
             "dump",
         )
+
+    def dump_encoded(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview], codecs: Sequence[int]
+    ) -> Task:
+        """Start writing ``payloads[i]`` (any size, may differ per key) as the block of ``keys[i]``, recording
+        ``codecs[i]`` (u16) in its header. Same semantics as :meth:`dump` otherwise (existing files are skipped and
+        count as stored; errors fail the key). ``payloads`` must stay unchanged until the task is done.
+
+        Raises:
+            TypeError / ValueError: bad keys; ``payloads`` or ``codecs`` not one per key; a codec outside u16.
+            RuntimeError: the store is closed.
+        """
+        check_keys(keys)
+        if len(payloads) != len(keys) or len(codecs) != len(keys):
+            raise ValueError(
+                f"need one payload and one codec per key: {len(keys)} keys, {len(payloads)} payloads, "
+                f"{len(codecs)} codecs"
+            )
+        for c in codecs:
+            if not 0 <= c <= 0xFFFF:
+                raise ValueError(f"codec must be a u16, got {c}")
+        views = [memoryview(p).cast("B") for p in payloads]
+        return self._submit_all(
+            keys,
+            lambda i: self._dump_one(keys[i], views[i], codecs[i]),
+            lambda i, done: self._dump_start(keys[i], views[i], done, codecs[i]),
+            "dump",
+        )
+
+    def load_encoded(self, keys: Sequence[bytes], out: list[EncodedBlock | None], max_nbytes: int) -> Task:
+        """Start reading the blocks of ``keys`` whatever their codec: ``out[i]`` is set to key ``i``'s
+        :class:`EncodedBlock` (codec and validated payload) before the task completes, and left ``None`` when the key
+        fails (missing, damaged: removed, or foreign: another format version, or a payload over ``max_nbytes``
+        bytes, kept). Reads use the pool threads with positional reads (``O_DIRECT`` with ``io_direct``) for
+        either engine.
+
+        Raises:
+            TypeError / ValueError: bad keys; ``out`` not a list of ``len(keys)``; ``max_nbytes`` < 1.
+            RuntimeError: the store is closed.
+        """
+        check_keys(keys)
+        if not isinstance(out, list) or len(out) != len(keys):
+            raise ValueError(f"out must be a list of {len(keys)} entries")
+        if max_nbytes < 1:
+            raise ValueError(f"max_nbytes must be >= 1, got {max_nbytes}")
+
+        def job(i: int) -> bool:
+            return self._load_encoded_one(keys[i], out, i, max_nbytes)
+
+        def aio_job(i: int, done: Future[bool]) -> None:
+            done.set_result(job(i))
+
+        return self._submit_all(keys, job, aio_job, "load")
 
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
         """Tag the blocks dumped from now on with ``namespace_tag(tag)`` (header field) and describe the namespace
@@ -512,7 +573,9 @@ class PosixStore(UcmKVStoreBase):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(d, DIR_MODE)
 
-    def _dump_prepare(self, key: bytes, row: torch.Tensor) -> tuple[str, str, bytes, memoryview] | None:
+    def _dump_prepare(
+        self, key: bytes, payload: memoryview, codec: int = CODEC_RAW
+    ) -> tuple[str, str, bytes, memoryview] | None:
         """``(path, temp path, header, payload)`` of ``key``'s block, or ``None`` when its file already exists."""
         path = self.block_path(key)
         if os.path.exists(path):
@@ -522,9 +585,8 @@ class PosixStore(UcmKVStoreBase):
             shard,
             f".{name[: -len(FILE_SUFFIX)]}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TMP_SUFFIX}",
         )
-        payload = row.numpy().data.cast("B")
         header = HEADER.pack(
-            MAGIC, FORMAT_VERSION, CODEC_RAW, self._ns_tag, payload.nbytes, key, xxhash.xxh3_64_intdigest(payload)
+            MAGIC, FORMAT_VERSION, codec, self._ns_tag, payload.nbytes, key, xxhash.xxh3_64_intdigest(payload)
         )
         return path, tmp, header, payload
 
@@ -551,8 +613,8 @@ class PosixStore(UcmKVStoreBase):
         self._account_write(nbytes)
         return True
 
-    def _dump_one(self, key: bytes, row: torch.Tensor) -> bool:
-        prepared = self._dump_prepare(key, row)
+    def _dump_one(self, key: bytes, payload: memoryview, codec: int = CODEC_RAW) -> bool:
+        prepared = self._dump_prepare(key, payload, codec)
         if prepared is None:
             return True
         path, tmp, header, payload = prepared
@@ -580,11 +642,11 @@ class PosixStore(UcmKVStoreBase):
             return self._dump_failed(key, path, tmp, fd, exc)
         return self._dump_succeeded(HEADER_NBYTES + payload.nbytes)
 
-    def _dump_start(self, key: bytes, row: torch.Tensor, done: Future[bool]) -> None:
+    def _dump_start(self, key: bytes, payload: memoryview, done: Future[bool], codec: int = CODEC_RAW) -> None:
         """aio dump, on a pool thread: create the temp file and queue header + payload as one ``writev``; the
         reaper finishes in :meth:`_dump_complete`."""
         assert self._uring is not None
-        prepared = self._dump_prepare(key, row)
+        prepared = self._dump_prepare(key, payload, codec)
         if prepared is None:
             done.set_result(True)
             return
@@ -637,6 +699,25 @@ class PosixStore(UcmKVStoreBase):
                 reason = _read_validated(fd, stat.st_size, key, payload, self._direct)
                 if reason is None:
                     _touch(fd, stat)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            reason = exc
+        return self._load_outcome(key, path, reason, stat)
+
+    def _load_encoded_one(self, key: bytes, out: list[EncodedBlock | None], i: int, max_nbytes: int) -> bool:
+        path = self.block_path(key)
+        flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
+        reason: str | OSError | None
+        stat: os.stat_result | None = None
+        try:
+            fd = os.open(path, flags)
+            try:
+                stat = os.fstat(fd)
+                reason, block = _read_encoded(fd, stat.st_size, key, max_nbytes, self._direct)
+                if block is not None:
+                    _touch(fd, stat)
+                    out[i] = block
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -754,6 +835,62 @@ class _FaultLog:
 # Reasons that may mean "another UCM version's block" or a caller's size mismatch rather than damage: such files are
 # left in place.
 _FOREIGN = "foreign: "
+
+
+@dataclass(frozen=True)
+class EncodedBlock:
+    """A block file's payload as stored, from :meth:`PosixStore.load_encoded` (checksum verified).
+
+    Attributes:
+        codec: the header's codec (``CODEC_RAW``, ``CODEC_KVFOLD``, ...).
+        payload: the stored bytes.
+    """
+
+    codec: int
+    payload: bytearray
+
+
+def _bytes_of(row: torch.Tensor) -> memoryview:
+    """A flat ``B`` memoryview of a contiguous CPU uint8 row."""
+    return row.numpy().data.cast("B")
+
+
+def _read_encoded(
+    fd: int, size: int, key: bytes, max_nbytes: int, direct: _AlignedBuffers | None
+) -> tuple[str | None, EncodedBlock | None]:
+    """Read and check a whole block file of ``size`` bytes (from ``fstat``) of any codec and payload size.
+
+    Returns ``(None, block)`` when valid, else ``(reason, None)``; a reason starting with ``"foreign: "`` marks a
+    file to keep (another format version, or larger than ``max_nbytes`` of payload: not a block this reader knows).
+    """
+    if size < HEADER_NBYTES:
+        return f"file is {size} bytes, shorter than the {HEADER_NBYTES}-byte header", None
+    if size - HEADER_NBYTES > max_nbytes:
+        return f"{_FOREIGN}payload of {size - HEADER_NBYTES} bytes, more than the {max_nbytes} expected", None
+    if direct is not None:
+        buf = direct.get(_round_up(size))
+        got = _pread_direct(fd, buf)
+        data = bytearray(buf[: min(got, size)])
+    else:
+        data = bytearray(size)
+        got = _preadv_full(fd, [memoryview(data)], 0)
+    if got < size:
+        return f"file shrank while read: {got} of {size} bytes", None
+    magic, version, codec, _ns_tag, nbytes, file_key, checksum = HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        return f"bad magic {bytes(magic)!r}, expected {MAGIC!r}", None
+    if version != FORMAT_VERSION:
+        return f"{_FOREIGN}format version {version}, expected {FORMAT_VERSION}", None
+    if file_key != key:
+        return f"file holds key {file_key.hex()}, expected {key.hex()}", None
+    if nbytes != size - HEADER_NBYTES:
+        return f"file is {size} bytes, expected {HEADER_NBYTES + nbytes}", None
+    payload = memoryview(data)[HEADER_NBYTES:]
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        return "checksum mismatch", None
+    payload.release()  # before resizing data
+    del data[:HEADER_NBYTES]
+    return None, EncodedBlock(codec, data)
 
 
 def _dir_of(dirs: Sequence[str], key: bytes) -> str:

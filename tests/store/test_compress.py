@@ -1,0 +1,322 @@
+"""Compress (KVfold) stage on real temp directories: round trips, files readable across settings, damage is a miss."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.store.blocks import make_keys, poisoned
+from ucm.store.compress import CompressStore
+from ucm.store.kvfold import KVGeometry
+from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER, HEADER_NBYTES, PosixStore
+
+# A small model's block: 3 layers, block_size 16, 2 KV heads, head_dim 32 -> 12 KiB per block.
+GEOMETRY = KVGeometry(num_layers=3, block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
+NAMESPACE_INFO = {
+    "kv_dtype": "bfloat16",
+    "num_layers": GEOMETRY.num_layers,
+    "block_size": GEOMETRY.block_size,
+    "num_kv_heads": GEOMETRY.num_kv_heads,
+    "head_dim": GEOMETRY.head_dim,
+}
+TAG = b"\x01\x02\x03\x04" + bytes(12)
+
+
+def kv_blocks(n: int, seed: int, geometry: KVGeometry = GEOMETRY) -> torch.Tensor:
+    """``n`` KV-like bf16 blocks (normal values with a per-channel scale, as K has) as uint8 ``[n, block_nbytes]``."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n, geometry.num_layers, 2, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+    scale = torch.rand((1, geometry.num_layers, 2, 1, geometry.num_kv_heads, geometry.head_dim), generator=gen) * 4
+    x = (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16)
+    return x.view(torch.uint8).reshape(n, -1).contiguous()
+
+
+def all_bf16_patterns() -> torch.Tensor:
+    """One block of all 65,536 bf16 bit patterns (NaN payloads, infinities, -0.0, subnormals), as uint8 [1, 128 KiB]."""
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.uint8).reshape(1, -1)
+
+
+def stored_codec(store: PosixStore, key: bytes) -> tuple[int, int]:
+    """(codec, file size) of ``key``'s block file."""
+    path = store.block_path(key)
+    with open(path, "rb") as f:
+        header = f.read(HEADER_NBYTES)
+    return HEADER.unpack(header)[2], os.path.getsize(path)
+
+
+def compress_store(root: Path, **kw: object) -> CompressStore:
+    store = CompressStore(PosixStore(str(root)), **kw)  # type: ignore[arg-type]
+    store.set_namespace(TAG, NAMESPACE_INFO)
+    return store
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "kv"
+
+
+@pytest.fixture
+def ucm_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Capture UCM's log records (the ``ucm`` logger does not propagate to the root logger)."""
+    ucm_logger = logging.getLogger("ucm")
+    ucm_logger.addHandler(caplog.handler)
+    caplog.set_level(logging.DEBUG, logger="ucm")
+    yield caplog
+    ucm_logger.removeHandler(caplog.handler)
+
+
+def load_all(store: CompressStore | PosixStore, keys: list[bytes], nbytes: int) -> tuple[torch.Tensor, set[int]]:
+    dst = poisoned(len(keys), nbytes)
+    result = store.wait(store.load(keys, dst))
+    return dst, set(result.failed)
+
+
+@pytest.fixture(params=[("psync", False), ("psync", True), ("aio", False)], ids=["psync", "psync-direct", "aio"])
+def store(root: Path, request: pytest.FixtureRequest) -> Iterator[CompressStore]:
+    """A lossless Compress stage over a Posix stage in each engine and I/O mode (aio: buffered only)."""
+    io_engine, io_direct = request.param
+    s = CompressStore(PosixStore(str(root), io_engine=io_engine, io_direct=io_direct))
+    s.set_namespace(TAG, NAMESPACE_INFO)
+    yield s
+    s.close()
+
+
+def test_lossless_round_trip_is_bit_exact_and_smaller(store: CompressStore) -> None:
+    blocks = kv_blocks(5, seed=1)
+    keys = make_keys(5, seed=1)
+    assert store.wait(store.dump(keys, blocks)).ok
+    assert store.lookup(keys) == 5
+    for key in keys:
+        codec, size = stored_codec(store.inner, key)
+        assert codec == CODEC_KVFOLD
+        assert size < 0.85 * blocks.shape[1]  # exponent plane of normal values: about 3 of 8 bits
+    dst, failed = load_all(store, keys, blocks.shape[1])
+    assert not failed
+    assert torch.equal(dst, blocks)
+
+
+def test_all_bf16_patterns_round_trip(root: Path) -> None:
+    block = all_bf16_patterns()
+    keys = make_keys(1, seed=2)
+    store = CompressStore(PosixStore(str(root)))  # no geometry: the block is one section
+    try:
+        assert store.wait(store.dump(keys, block)).ok
+        assert stored_codec(store.inner, keys[0])[0] == CODEC_KVFOLD
+        dst, failed = load_all(store, keys, block.shape[1])
+        assert not failed
+        assert torch.equal(dst, block)
+    finally:
+        store.close()
+
+
+def test_fixed_rate_is_smaller_and_close(root: Path) -> None:
+    blocks = kv_blocks(3, seed=3)
+    keys = make_keys(3, seed=3)
+    store = compress_store(root, mode="fixed_rate", compress_ratio=16)
+    try:
+        assert store.wait(store.dump(keys, blocks)).ok
+        values = blocks.shape[1] // 2
+        # 8 bits per value + one bf16 scale per head_dim values + headers
+        limit = HEADER_NBYTES + values * (1 + 2 / GEOMETRY.head_dim) + 64 + 8 * 2 * GEOMETRY.num_layers
+        for key in keys:
+            codec, size = stored_codec(store.inner, key)
+            assert codec == CODEC_KVFOLD and size <= limit
+        dst, failed = load_all(store, keys, blocks.shape[1])
+        assert not failed
+        x = blocks.view(torch.bfloat16).float()
+        y = dst.view(torch.bfloat16).float()
+        assert not torch.equal(x, y)  # lossy
+        rel = ((x - y).pow(2).mean() / x.pow(2).mean()).sqrt()
+        assert rel < 0.015
+    finally:
+        store.close()
+
+
+def test_fixed_rate_keeps_non_finite_blocks_exact(root: Path) -> None:
+    block = all_bf16_patterns()  # holds inf and NaN: stored lossless
+    keys = make_keys(1, seed=4)
+    store = CompressStore(PosixStore(str(root)), mode="fixed_rate", compress_ratio=16)
+    try:
+        assert store.wait(store.dump(keys, block)).ok
+        dst, failed = load_all(store, keys, block.shape[1])
+        assert not failed and torch.equal(dst, block)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader"),
+    [
+        ({"mode": "lossless"}, {"mode": "off"}),
+        ({"mode": "lossless"}, {"mode": "fixed_rate", "compress_ratio": 16}),
+        ({"mode": "off"}, {"mode": "lossless"}),
+        ({"mode": "fixed_rate", "compress_ratio": 16}, {"mode": "lossless"}),
+    ],
+    ids=["lossless-by-off", "lossless-by-fixed", "off-by-lossless", "fixed-by-lossless"],
+)
+def test_read_under_other_settings(root: Path, writer: dict[str, object], reader: dict[str, object]) -> None:
+    blocks = kv_blocks(2, seed=5)
+    keys = make_keys(2, seed=5)
+    w = compress_store(root, **writer)
+    assert w.wait(w.dump(keys, blocks)).ok
+    expected, failed = load_all(w, keys, blocks.shape[1])  # what the writer itself reads back
+    assert not failed
+    w.close()
+    r = compress_store(root, **reader)
+    try:
+        dst, failed = load_all(r, keys, blocks.shape[1])
+        assert not failed
+        assert torch.equal(dst, expected)
+        if writer["mode"] != "fixed_rate":
+            assert torch.equal(dst, blocks)
+    finally:
+        r.close()
+
+
+def test_plain_posix_files_are_read_by_compress(root: Path) -> None:
+    blocks = kv_blocks(2, seed=6)
+    keys = make_keys(2, seed=6)
+    plain = PosixStore(str(root))
+    assert plain.wait(plain.dump(keys, blocks)).ok
+    plain.close()
+    store = compress_store(root)
+    try:
+        assert stored_codec(store.inner, keys[0])[0] == CODEC_RAW
+        dst, failed = load_all(store, keys, blocks.shape[1])
+        assert not failed and torch.equal(dst, blocks)
+    finally:
+        store.close()
+
+
+def test_compressed_files_are_a_kept_miss_for_plain_posix(root: Path) -> None:
+    blocks = kv_blocks(2, seed=7)
+    keys = make_keys(2, seed=7)
+    store = compress_store(root)
+    assert store.wait(store.dump(keys, blocks)).ok
+    store.close()
+    plain = PosixStore(str(root))
+    try:
+        _, failed = load_all(plain, keys, blocks.shape[1])
+        assert failed == {0, 1}
+        assert all(os.path.exists(plain.block_path(k)) for k in keys)  # another codec: kept, not deleted
+    finally:
+        plain.close()
+
+
+def flip_byte(path: str, offset_from_end: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("damage", ["flip-sm-plane", "flip-zstd-frame", "truncate"])
+def test_damaged_compressed_block_is_a_miss(store: CompressStore, damage: str) -> None:
+    blocks = kv_blocks(3, seed=8)
+    keys = make_keys(3, seed=8)
+    assert store.wait(store.dump(keys, blocks)).ok
+    path = store.inner.block_path(keys[1])
+    size = os.path.getsize(path)
+    if damage == "flip-sm-plane":
+        flip_byte(path, 1)  # last byte: the raw sign+mantissa plane of the last section
+    elif damage == "flip-zstd-frame":
+        flip_byte(path, size - HEADER_NBYTES - 16 - 4 * 2 * GEOMETRY.num_layers - 4 - 10)  # inside section 0's frame
+    else:
+        os.truncate(path, size - 100)
+    dst, failed = load_all(store, keys, blocks.shape[1])
+    assert failed == {1}
+    assert torch.equal(dst[0], blocks[0]) and torch.equal(dst[2], blocks[2])
+    assert not os.path.exists(path)  # damaged: removed, so the block is recomputed and stored again
+    assert store.lookup(keys) == 1
+
+
+def test_other_kv_dtype_is_stored_raw(root: Path, ucm_log: pytest.LogCaptureFixture) -> None:
+    store = CompressStore(PosixStore(str(root)))
+    store.set_namespace(TAG, {**NAMESPACE_INFO, "kv_dtype": "float16"})
+    try:
+        blocks = kv_blocks(2, seed=9)
+        keys = make_keys(2, seed=9)
+        assert store.wait(store.dump(keys, blocks)).ok
+        assert stored_codec(store.inner, keys[0]) == (CODEC_RAW, HEADER_NBYTES + blocks.shape[1])
+        dst, failed = load_all(store, keys, blocks.shape[1])
+        assert not failed and torch.equal(dst, blocks)
+        assert any("float16" in r.getMessage() and "uncompressed" in r.getMessage() for r in ucm_log.records)
+    finally:
+        store.close()
+
+
+def test_odd_block_size_is_stored_raw(root: Path) -> None:
+    blocks = torch.randint(0, 256, (2, 4099), dtype=torch.uint8, generator=torch.Generator().manual_seed(10))
+    keys = make_keys(2, seed=10)
+    store = CompressStore(PosixStore(str(root)))
+    try:
+        assert store.wait(store.dump(keys, blocks)).ok
+        assert stored_codec(store.inner, keys[0])[0] == CODEC_RAW
+        dst, failed = load_all(store, keys, 4099)
+        assert not failed and torch.equal(dst, blocks)
+    finally:
+        store.close()
+
+
+def test_debug_log_lines(store: CompressStore, ucm_log: pytest.LogCaptureFixture) -> None:
+    blocks = kv_blocks(2, seed=11)
+    keys = make_keys(2, seed=11)
+    assert store.wait(store.dump(keys, blocks)).ok
+    assert store.wait(store.load(keys, poisoned(2, blocks.shape[1]))).ok
+    messages = [r.getMessage() for r in ucm_log.records]
+    for prefix in ("COMPRESS DUMP START | ", "COMPRESS DUMP END | ", "COMPRESS LOAD START | ", "COMPRESS LOAD END | "):
+        assert any(m.startswith(prefix) for m in messages), prefix
+    shard_lines = [m for m in messages if m.startswith("COMPRESS DUMP | ") and "shard sizes" in m]
+    assert len(shard_lines) == 2
+    assert shard_lines[0].count(",") == 2 * GEOMETRY.num_layers - 1  # one size per layer K and V
+    assert sum(m.startswith("COMPRESS LOAD | ") for m in messages) == 2
+
+
+def test_dump_skips_blocks_already_stored(store: CompressStore, ucm_log: pytest.LogCaptureFixture) -> None:
+    blocks = kv_blocks(2, seed=12)
+    keys = make_keys(2, seed=12)
+    assert store.wait(store.dump(keys[:1], blocks[:1])).ok
+    ucm_log.clear()
+    assert store.wait(store.dump(keys, blocks)).ok
+    assert sum(m.getMessage().startswith("COMPRESS DUMP | ") for m in ucm_log.records) == 1
+
+
+def test_bad_settings_are_refused(root: Path) -> None:
+    posix = PosixStore(str(root))
+    try:
+        with pytest.raises(ValueError, match=r"compress_mode 'zip'.*'lossless'"):
+            CompressStore(posix, mode="zip")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"compress_ratio 16 .*compress_mode: fixed_rate"):
+            CompressStore(posix, mode="lossless", compress_ratio=16)
+        with pytest.raises(ValueError, match=r"compress_ratio 20 .*\[16\]"):
+            CompressStore(posix, mode="fixed_rate", compress_ratio=20)
+        with pytest.raises(ValueError, match=r"data_type 3 .*allowed: 0"):
+            CompressStore(posix, data_type=3)
+    finally:
+        posix.close()
+
+
+def test_closed_store_refuses_work(root: Path) -> None:
+    store = compress_store(root)
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        store.dump(make_keys(1, seed=13), kv_blocks(1, seed=13))
+
+
+def test_cli_verify_checks_compressed_files(store: CompressStore) -> None:
+    from ucm.store.cli import verify_file
+
+    blocks = kv_blocks(2, seed=14)
+    keys = make_keys(2, seed=14)
+    assert store.wait(store.dump(keys, blocks)).ok
+    good, bad = (store.inner.block_path(k) for k in keys)
+    flip_byte(bad, 3)
+    assert verify_file(good)[0] is None
+    assert verify_file(bad)[0] == "checksum mismatch"
