@@ -65,7 +65,7 @@ def test_trained_model_solves_recall_at_training_length(report):
 def test_warm_pass_is_served_by_ucm(report):
     vs = report["runs"]["warm"]["vs_dense"]
     generate_prompts = sum(1 for k in report["prompt_tokens"] if not k.startswith("perplexity"))
-    assert vs["hit_blocks"] >= generate_prompts  # every prompt (>= 256 tokens, blocks of 128) loads >= 1 block
+    assert vs["hit_blocks"] >= generate_prompts  # every prompt (>= 234 tokens, blocks of 128) loads >= 1 block
 
 
 @pytest.mark.parametrize("run", ["cold", "warm"])

@@ -34,7 +34,8 @@ class RecallSpec:
         num_fillers: size of the filler alphabet (``w00`` ..).
         num_pairs: key/value pairs per haystack (distinct keys; values may repeat).
         train_len: tokens per training sequence (BOS + haystack + queries), the model's "training length".
-        num_queries: queries per training sequence (loss on each answer).
+        num_queries: queries per training sequence (loss on each answer); the first asks pair 0, the others pairs
+            drawn with replacement.
     """
 
     num_keys: int = 48
@@ -102,13 +103,13 @@ def make_example(
     [0, 1]) puts the first queried pair at that relative position of the haystack; None: anywhere.
 
     Raises:
-        ValueError: ``haystack_len`` too short for the pairs, ``num_queries`` not in 1..num_pairs, or ``depth``
+        ValueError: ``haystack_len`` too short for the pairs, ``num_queries`` < 1, or ``depth``
             outside [0, 1].
     """
     if haystack_len < 2 * spec.num_pairs:
         raise ValueError(f"haystack_len={haystack_len} is shorter than 2 * num_pairs={2 * spec.num_pairs}")
-    if not 1 <= num_queries <= spec.num_pairs:
-        raise ValueError(f"num_queries={num_queries} must be in 1..{spec.num_pairs}")
+    if num_queries < 1:
+        raise ValueError(f"num_queries={num_queries} must be >= 1")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth} must be in [0, 1]")
     keys = rng.sample(range(spec.num_keys), spec.num_pairs)
@@ -128,7 +129,10 @@ def make_example(
         words[2 * slot] = f"k{key:02d}"
         words[2 * slot + 1] = f"v{value:02d}"
     first_depth = chosen[0] / max(1, slots - 1)
-    order = [0, *rng.sample(range(1, spec.num_pairs), num_queries - 1)]
+    # Later queries pick pairs with replacement: without it, elimination of the pairs already asked would let a model
+    # answer later queries better than chance without retrieving anything (seen: loss below ln(num_pairs) while the
+    # first query stayed at chance).
+    order = [0, *(rng.randrange(spec.num_pairs) for _ in range(num_queries - 1))]
     answers: list[str] = []
     positions: list[int] = []
     for q, j in enumerate(order):

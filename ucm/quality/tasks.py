@@ -18,9 +18,10 @@ Two suites:
     cache). Correct when the first number in the answer is N.
   - ``perplexity``: held-out real text, scored teacher-forced through vLLM's ``prompt_logprobs``.
 
-- ``recall`` (UCM's trained recall model, see ``recall.py``): single-query associative recall at its training length
-  and 2x / 4x it (where plain RoPE models are expected to degrade), at several needle depths; perplexity on
-  held-out training-format sequences.
+- ``recall`` (UCM's trained recall model, see ``recall.py``): associative recall at the model's training length and
+  2x / 4x it (where plain RoPE models are expected to degrade), at several needle depths: a sequence of the length's
+  haystack, cut after its first query's key (``length - 3 * num_queries + 2`` tokens). Perplexity on held-out
+  training-format sequences.
 
 Lengths are prompt lengths in tokens of the model's tokenizer (the real prompt is within a few tokens of it).
 Everything is deterministic given the seed (:func:`seeded_rng`, independent of ``PYTHONHASHSEED``).
@@ -273,7 +274,8 @@ def recall_suite(spec: RecallSpec, lengths: Sequence[int], short: bool, seed: in
         for depth in depths:
             for k in range(per_cell):
                 rng = seeded_rng(f"{seed}-recall-{length}-{depth}-{k}")
-                ex = make_example(spec, rng, length - 3, 1, depth=depth)  # BOS + haystack + "? kNN"
+                # a training sequence of `length` tokens cut after its first query's key, as in training
+                ex = make_example(spec, rng, spec.haystack_len(length), 1, depth=depth)
                 items.append(
                     EvalItem(
                         id=f"recall-L{length}-d{depth:.2f}-{k}",
