@@ -147,6 +147,7 @@ def test_compare_counts_mismatches_and_logprob_drift():
     assert diffs == [] and missing == 1
     summary = summarize(items, other)
     assert summary["accuracy"]["recall"] == {"8": 1.0, "all": 1.0}
+    assert summary["accuracy_by_depth"] == {}  # the item has no depth
     assert summary["perplexity"] == pytest.approx(2.718281828**2.75, rel=1e-6)
 
 

@@ -122,10 +122,12 @@ def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, 
     """Accuracy per task and length, and perplexity, of one pass.
 
     Returns:
-        ``{"accuracy": {task: {str(length): fraction, "all": fraction}}, "correct": {item id: bool},
+        ``{"accuracy": {task: {str(length): fraction, "all": fraction}},
+        "accuracy_by_depth": {task: {"<length>@<depth>": fraction}}, "correct": {item id: bool},
         "perplexity": float | None, "answers": {item id: generated text}}``.
     """
     by_cell: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    by_depth: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     correct: dict[str, bool] = {}
     nll: list[float] = []
     for it, res in zip(items, results, strict=True):
@@ -135,6 +137,8 @@ def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, 
         ok = is_correct(it, res.text)
         correct[it.id] = ok
         by_cell[it.task][str(it.length)].append(ok)
+        if it.depth is not None:
+            by_depth[it.task][f"{it.length}@{it.depth:.2f}"].append(ok)
     accuracy: dict[str, dict[str, float]] = {}
     for task, cells in by_cell.items():
         accuracy[task] = {k: sum(v) / len(v) for k, v in cells.items()}
@@ -142,6 +146,7 @@ def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, 
         accuracy[task]["all"] = sum(every) / len(every)
     return {
         "accuracy": accuracy,
+        "accuracy_by_depth": {t: {k: sum(v) / len(v) for k, v in cells.items()} for t, cells in by_depth.items()},
         "perplexity": math.exp(sum(nll) / len(nll)) if nll else None,
         "correct": correct,
         "answers": {it.id: res.text for it, res in zip(items, results, strict=True) if not it.is_perplexity},
