@@ -12,7 +12,10 @@ Spec (a dict, JSON-serializable)::
      "engine_args": {"max_num_batched_tokens": 256},   # optional: more LLM(...) keyword arguments
      "connector": null | {"kv_connector": "UCMConnector", ...}   # vLLM's kv_transfer_config as a dict
      "requests": [{"prompt": "...", "max_tokens": 16, "cache_salt": null, "reset_prefix_cache": false,
-                   "before_cmd": null}, ...],   # before_cmd: a shell command the child runs before the request
+                   "before_cmd": null,      # a shell command the child runs before the request
+                   "top_logprobs": 0,       # also record the k most likely tokens' log-probs at each step
+                   "prompt_logprobs": false # also record the log-prob of every prompt token (teacher forced)
+                   }, ...],
      "reset_prefix_cache": false}       # reset vLLM's own prefix cache before every request
 
 ``before_cmd`` lets a test change the world while the engine serves (delete the storage directory, fill a disk);
@@ -28,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,11 @@ class RequestResult:
         num_prompt_tokens: prompt length in tokens.
         hit_hbm / hit_external / total_blocks: from UCM's log line (-1 without UCM).
         wall_ms: the request's wall time in the child (``generate`` call), ms: TTFT plus all decode steps.
+        top_logprobs: per generated token, ``{token id: log-prob}`` of the ``top_logprobs`` most likely tokens (and
+            the chosen one); empty unless the request asked for them.
+        prompt_logprobs: log-prob of prompt tokens 1.. given the tokens before them (the first token has none);
+            empty unless the request set ``prompt_logprobs``. vLLM computes every prompt token of such a request
+            (it skips its prefix cache and the connector's external hits).
     """
 
     token_ids: list[int]
@@ -90,6 +98,8 @@ class RequestResult:
     hit_hbm: int = -1
     hit_external: int = -1
     total_blocks: int = -1
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
     wall_ms: float = 0.0
 
 
@@ -131,6 +141,8 @@ def run_engine(
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"engine process failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     raw = json.loads(lines[-1][len(_RESULT_PREFIX) :])
+    for r in raw:  # JSON object keys are strings
+        r["top_logprobs"] = [{int(k): v for k, v in step.items()} for step in r.get("top_logprobs", [])]
     results = [RequestResult(**r) for r in raw]
     hits = _HIT_RE.findall(proc.stderr)
     if _uses_ucm(spec.get("connector")):
@@ -163,7 +175,13 @@ def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
             subprocess.run(req["before_cmd"], shell=True, check=True)
         if spec.get("reset_prefix_cache") or req.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
-        params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 16), logprobs=0)
+        top_k = int(req.get("top_logprobs", 0))
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=req.get("max_tokens", 16),
+            logprobs=top_k,
+            prompt_logprobs=0 if req.get("prompt_logprobs") else None,
+        )
         prompt: dict[str, Any] = {"prompt": req["prompt"]}
         if req.get("cache_salt") is not None:
             prompt["cache_salt"] = req["cache_salt"]
@@ -176,16 +194,25 @@ def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
             float(step[tok].logprob) if step else float("nan")
             for step, tok in zip(completion.logprobs or [], completion.token_ids, strict=False)
         ]
-        out.append(
-            {
-                "token_ids": list(completion.token_ids),
-                "text": completion.text,
-                "logprobs": logprobs,
-                "ttft_ms": ttft * 1e3 if ttft > 0 else wall_ms,
-                "num_prompt_tokens": len(result.prompt_token_ids or []),
-                "wall_ms": wall_ms,
-            }
-        )
+        record: dict[str, Any] = {
+            "token_ids": list(completion.token_ids),
+            "text": completion.text,
+            "logprobs": logprobs,
+            "ttft_ms": ttft * 1e3 if ttft > 0 else wall_ms,
+            "num_prompt_tokens": len(result.prompt_token_ids or []),
+            "wall_ms": wall_ms,
+        }
+        if top_k:
+            record["top_logprobs"] = [
+                {str(tok): float(lp.logprob) for tok, lp in step.items()} for step in completion.logprobs or []
+            ]
+        if req.get("prompt_logprobs"):
+            record["prompt_logprobs"] = [
+                float(step[tok].logprob)
+                for step, tok in zip(result.prompt_logprobs or [], result.prompt_token_ids or [], strict=False)
+                if step
+            ]
+        out.append(record)
     return out
 
 

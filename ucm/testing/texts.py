@@ -122,3 +122,18 @@ def prompt_of_tokens(tokenizer: Tokenizer, n_tokens: int, source_text: str | Non
         if len(ids) < n_tokens:
             raise RuntimeError(f"n_tokens={n_tokens} exceeds the {len(ids)} tokens of text on this machine")
     return tokenizer.decode(ids[:n_tokens])
+
+
+def source_texts() -> tuple[str, ...]:
+    """The texts of all sources found on this machine, each whole, in the fixed order of preference.
+
+    On Debian: GPL-3, GPL-2, Apache-2.0, GFDL-1.3, MPL-2.0, LGPL-2.1, Artistic, then Python's LICENSE.txt. Callers
+    that give texts different roles (haystack, held-out, documents) pick them by index.
+
+    Raises:
+        RuntimeError: no source file is readable.
+    """
+    sources = _sources()
+    if not sources:
+        _join_sources(None)  # raises the descriptive error
+    return sources

@@ -1,0 +1,350 @@
+"""The quality harness: run an evaluation suite through the real vLLM engine, dense and with a UCM config, compare.
+
+What it does, for a model directory and an optional UCM config YAML:
+
+1. **Dense baseline**: one engine process, no KV connector, every prompt run alone (requests one at a time:
+   batching changes bf16 results on CPU), vLLM's own prefix cache reset before each request, greedy decoding.
+2. **With the config** (if given): one engine process whose ``kv_transfer_config`` is UCMConnector with
+   ``UCM_CONFIG_FILE`` = the YAML, exactly as a user would configure vLLM. The prompts run twice: pass ``cold`` (the
+   store starts empty unless ``keep_store``; prompts that share a prefix with an earlier one may already hit) and
+   pass ``warm`` (every prompt again: its full blocks now come from the store). vLLM's prefix cache is reset before
+   each request, so cached KV can only come through UCM. An approximation acting on stored or loaded KV shows in
+   ``warm``; one acting on the computation (sparse attention) shows in both.
+   Unless ``keep_store``, the YAML is copied with ``storage_backends`` pointed at a fresh temporary directory, so
+   reruns measure the same thing.
+
+Both engines pin the same OpenMP cores (``VLLM_CPU_OMP_THREADS_BIND``; a connector otherwise changes the thread
+count and with it bf16 results) and use the same dtype, block size and model length.
+
+Metrics per run (see :func:`summarize` and :func:`compare`):
+
+- ``accuracy[task][length]``: fraction of prompts answered correctly (``tasks.is_correct``), per task also ``all``;
+- ``perplexity``: exp of the mean negative log-prob of the held-out tokens (teacher forced through
+  ``prompt_logprobs``; vLLM computes every prompt token of such requests, so a prefix cache never serves them);
+- against the baseline: ``exact_match_rate`` (fraction of prompts whose generated token ids are identical),
+  ``token_match_rate``, ``mean_abs_logprob_diff`` / ``max_abs_logprob_diff`` of the baseline's generated tokens over
+  the positions where both runs saw the same context (the common prefix of the two generations and the first
+  position where they differ, the latter from the run's top-k log-probs when the baseline token is among them),
+  ``perplexity_mean_abs_logprob_diff``; and ``hit_rate``, the fraction of prompt blocks UCM served.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ucm.quality.recall import TASK_FILE, RecallSpec
+from ucm.quality.tasks import SUITES, EvalItem, Suite, default_lengths, is_correct, real_suite, recall_suite
+from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config
+from ucm.testing.texts import Tokenizer
+
+TOP_LOGPROBS = 5
+DTYPES = ("auto", "bfloat16", "float32", "float16")
+
+
+@dataclass
+class RunOutput:
+    """The results of one pass over the items, with its engine's wall time (s)."""
+
+    name: str
+    results: list[RequestResult]
+    wall_s: float
+
+
+def detect_suite(model_dir: Path) -> Suite:
+    """``recall`` for a model trained by ``ucm.quality.train_recall`` (it carries the task file), else ``real``."""
+    return "recall" if (model_dir / TASK_FILE).is_file() else "real"
+
+
+def model_max_len(model_dir: Path) -> int:
+    """The model's context length (``max_position_embeddings`` of its config.json).
+
+    Raises:
+        FileNotFoundError: no config.json in ``model_dir``.
+    """
+    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+
+
+def build_items(model_dir: Path, suite: Suite, lengths: list[int], short: bool, seed: int) -> list[EvalItem]:
+    """The evaluation items of ``suite`` for the model in ``model_dir``.
+
+    Raises:
+        ValueError: ``suite`` is not one of ``SUITES``, or a length is < 64 or above the model's context length.
+    """
+    if suite not in SUITES:
+        raise ValueError(f"suite={suite!r} is not one of {SUITES}")
+    max_len = model_max_len(model_dir)
+    for length in lengths:
+        if not 64 <= length <= max_len:
+            raise ValueError(f"length {length} must be in 64..{max_len} (the model's max_position_embeddings)")
+    if suite == "recall":
+        return recall_suite(RecallSpec.load(model_dir), lengths, short, seed)
+    from transformers import AutoTokenizer
+
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(str(model_dir))  # type: ignore[assignment]
+    return real_suite(tokenizer, lengths, short, seed, max_len)
+
+
+def _requests(items: list[EvalItem]) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt": it.prompt,
+            "max_tokens": it.max_tokens,
+            "reset_prefix_cache": True,
+            "top_logprobs": TOP_LOGPROBS,
+            "prompt_logprobs": it.is_perplexity,
+        }
+        for it in items
+    ]
+
+
+def _private_config(config_path: Path, store_dir: Path, out_path: Path) -> Path:
+    """Copy the YAML at ``config_path`` with every connector's ``storage_backends`` set to ``store_dir``."""
+    data = yaml.safe_load(config_path.read_text()) or {}
+    for entry in data.get("ucm_connectors") or []:
+        cfg = entry.setdefault("ucm_connector_config", {})
+        if "storage_backends" in cfg or entry.get("ucm_connector_name") == "UcmPipelineStore":
+            cfg["storage_backends"] = str(store_dir)
+    out_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out_path
+
+
+def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, Any]:
+    """Accuracy per task and length, and perplexity, of one pass.
+
+    Returns:
+        ``{"accuracy": {task: {str(length): fraction, "all": fraction}},
+        "accuracy_by_depth": {task: {"<length>@<depth>": fraction}}, "correct": {item id: bool},
+        "perplexity": float | None, "answers": {item id: generated text}}``.
+    """
+    by_cell: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    by_depth: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    correct: dict[str, bool] = {}
+    nll: list[float] = []
+    for it, res in zip(items, results, strict=True):
+        if it.is_perplexity:
+            nll += [-lp for lp in res.prompt_logprobs]
+            continue
+        ok = is_correct(it, res.text)
+        correct[it.id] = ok
+        by_cell[it.task][str(it.length)].append(ok)
+        if it.depth is not None:
+            by_depth[it.task][f"{it.length}@{it.depth:.2f}"].append(ok)
+    accuracy: dict[str, dict[str, float]] = {}
+    for task, cells in by_cell.items():
+        accuracy[task] = {k: sum(v) / len(v) for k, v in cells.items()}
+        every = [ok for v in cells.values() for ok in v]
+        accuracy[task]["all"] = sum(every) / len(every)
+    return {
+        "accuracy": accuracy,
+        "accuracy_by_depth": {t: {k: sum(v) / len(v) for k, v in cells.items()} for t, cells in by_depth.items()},
+        "perplexity": math.exp(sum(nll) / len(nll)) if nll else None,
+        "correct": correct,
+        "answers": {it.id: res.text for it, res in zip(items, results, strict=True) if not it.is_perplexity},
+    }
+
+
+def logprob_diffs(base: RequestResult, other: RequestResult) -> tuple[list[float], int]:
+    """|log p_other - log p_base| of the baseline's generated tokens where both runs had the same context.
+
+    Positions: the common prefix of the two generations, and the first position where they differ if the baseline's
+    token is among ``other``'s top-k there.
+
+    Returns:
+        (the absolute differences in nats, the number of compared positions where the baseline token was missing
+        from ``other``'s top-k).
+    """
+    diffs: list[float] = []
+    missing = 0
+    for pos, (tb, to) in enumerate(zip(base.token_ids, other.token_ids, strict=False)):
+        if tb == to:
+            diffs.append(abs(other.logprobs[pos] - base.logprobs[pos]))
+            continue
+        top = other.top_logprobs[pos] if pos < len(other.top_logprobs) else {}
+        if tb in top:
+            diffs.append(abs(top[tb] - base.logprobs[pos]))
+        else:
+            missing += 1
+        break
+    return diffs, missing
+
+
+def compare(items: list[EvalItem], base: list[RequestResult], other: list[RequestResult]) -> dict[str, Any]:
+    """Agreement of one pass with the baseline (see the module docstring for each metric)."""
+    gen = [(it, b, o) for it, b, o in zip(items, base, other, strict=True) if not it.is_perplexity]
+    exact = [b.token_ids == o.token_ids for _, b, o in gen]
+    same_tokens = sum(x == y for _, b, o in gen for x, y in zip(b.token_ids, o.token_ids, strict=False))
+    total_tokens = sum(len(b.token_ids) for _, b, _ in gen)
+    diffs: list[float] = []
+    missing = 0
+    for _, b, o in gen:
+        d, m = logprob_diffs(b, o)
+        diffs += d
+        missing += m
+    ppl_diffs = [
+        abs(x - y)
+        for it, b, o in zip(items, base, other, strict=True)
+        if it.is_perplexity
+        for x, y in zip(b.prompt_logprobs, o.prompt_logprobs, strict=True)
+    ]
+    blocks = sum(max(0, o.total_blocks) for it, o in zip(items, other, strict=True) if not it.is_perplexity)
+    hits = sum(max(0, o.hit_external) for it, o in zip(items, other, strict=True) if not it.is_perplexity)
+    return {
+        "exact_match_rate": sum(exact) / len(exact) if exact else None,
+        "mismatched": [it.id for (it, _, _), ok in zip(gen, exact, strict=True) if not ok],
+        "token_match_rate": same_tokens / total_tokens if total_tokens else None,
+        "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None,
+        "max_abs_logprob_diff": max(diffs) if diffs else None,
+        "logprob_positions": len(diffs),
+        "logprob_missing_from_topk": missing,
+        "perplexity_mean_abs_logprob_diff": sum(ppl_diffs) / len(ppl_diffs) if ppl_diffs else None,
+        "hit_rate": hits / blocks if blocks else None,
+        "hit_blocks": hits,
+        "prompt_blocks": blocks,
+    }
+
+
+def _environment() -> dict[str, Any]:
+    """Machine, versions and date, recorded with every report."""
+    import datetime
+    import importlib.metadata
+    import os
+    import platform
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "vllm": version("vllm-cpu") or version("vllm"),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+    }
+
+
+def run_quality(
+    model_dir: Path,
+    config_path: Path | None = None,
+    *,
+    suite: Suite | None = None,
+    lengths: list[int] | None = None,
+    short: bool = False,
+    seed: int = 0,
+    dtype: str = "auto",
+    block_size: int | None = None,
+    keep_store: bool = False,
+    work_dir: Path | None = None,
+    timeout_s: float = 3600,
+    kvcache_gib: int = 1,
+) -> dict[str, Any]:
+    """Run the harness (see the module docstring) and return its JSON-serializable report.
+
+    Args:
+        model_dir: a model directory vLLM can serve (config.json, weights, tokenizer).
+        config_path: a UCM config YAML; None runs the dense baseline only.
+        suite: ``real`` or ``recall``; None detects it (:func:`detect_suite`).
+        lengths: prompt lengths in tokens; None: the suite's defaults (``tasks.default_lengths``).
+        short: the CI-sized variant (fewer depths, lengths and prompts).
+        seed: seeds every prompt (passkeys, document numbers, recall sequences).
+        dtype: the engines' dtype (``auto``: the model's own).
+        block_size: vLLM's KV block size in tokens (None: vLLM's default, 128 on CPU).
+        keep_store: use the YAML's own ``storage_backends`` instead of a fresh temporary directory.
+        work_dir: where engine logs (and the fresh store) go; None: a temporary directory, removed at the end.
+        timeout_s: per engine process.
+        kvcache_gib: vLLM's CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB); 1 GiB holds 8K tokens of
+            SmolLM2 (23 KiB per token) many times over, and a smaller cache keeps the engine's memory down.
+
+    Raises:
+        ValueError: bad ``suite``, ``dtype`` or lengths (the message names the allowed values).
+        FileNotFoundError: ``model_dir`` or ``config_path`` does not exist.
+        RuntimeError: an engine process failed (its stderr tail is in the message).
+    """
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model_dir={model_dir} has no config.json")
+    if config_path is not None and not config_path.is_file():
+        raise FileNotFoundError(f"config {config_path} does not exist")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
+    suite = suite or detect_suite(model_dir)
+    if suite not in SUITES:
+        raise ValueError(f"suite={suite!r} is not one of {SUITES}")
+    if config_path is not None:
+        from ucm.config import load_config_file
+
+        load_config_file(config_path)  # fail here, with UCM's message, rather than inside the engine
+    lengths = lengths or default_lengths(suite, model_dir, short)
+    items = build_items(model_dir, suite, lengths, short, seed)
+    own_dir = work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="ucm-quality-")) if work_dir is None else work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        spec: dict[str, Any] = {
+            "model": str(model_dir),
+            "dtype": dtype,
+            "max_model_len": model_max_len(model_dir),
+            "enable_prefix_caching": True,
+            "engine_args": {} if block_size is None else {"block_size": block_size},
+            "connector": None,
+        }
+        t0 = time.perf_counter()
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)}
+        base, _ = run_engine(
+            {**spec, "requests": _requests(items)}, env=env, timeout_s=timeout_s, log_path=work / "dense.log"
+        )
+        runs = [RunOutput("dense", base, time.perf_counter() - t0)]
+        if config_path is not None:
+            used = config_path.resolve()
+            if not keep_store:
+                store = work / "store"
+                shutil.rmtree(store, ignore_errors=True)
+                store.mkdir()
+                used = _private_config(config_path, store, work / "ucm_config.yaml")
+            connector = ucm_transfer_config({"UCM_CONFIG_FILE": str(used)})
+            t0 = time.perf_counter()
+            both, _ = run_engine(
+                {**spec, "connector": connector, "requests": _requests(items) * 2},
+                env=env,
+                timeout_s=timeout_s,
+                log_path=work / "ucm.log",
+            )
+            wall = time.perf_counter() - t0
+            runs.append(RunOutput("cold", both[: len(items)], wall))
+            runs.append(RunOutput("warm", both[len(items) :], wall))
+    finally:
+        if own_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    report: dict[str, Any] = {
+        "environment": _environment(),
+        "model": str(model_dir),
+        "suite": suite,
+        "config": None if config_path is None else str(config_path),
+        "dtype": dtype,
+        "short": short,
+        "seed": seed,
+        "lengths": lengths,
+        "num_prompts": len(items),
+        "prompt_tokens": {it.id: r.num_prompt_tokens for it, r in zip(items, base, strict=True)},
+        "runs": {},
+    }
+    for run in runs:
+        entry = summarize(items, run.results)
+        entry["engine_wall_s"] = round(run.wall_s, 1)
+        if run.name != "dense":
+            entry["vs_dense"] = compare(items, base, run.results)
+        report["runs"][run.name] = entry
+    return report

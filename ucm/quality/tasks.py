@@ -1,0 +1,304 @@
+"""Seeded evaluation sets for the quality harness: long-context tasks on real text, and synthetic recall.
+
+Two suites:
+
+- ``real`` (any text model, e.g. SmolLM2-135M-Instruct), built from the offline English text of
+  ``ucm.testing.texts`` (licence texts of the machine). Text roles, by source order, so no text appears in two roles:
+  source 0 (then 1) is the passkey haystack, source 2 is held out for perplexity, the longest of sources 3.. are the
+  documents of multi-document QA.
+
+  - ``passkey``: passkey retrieval after Mohtashami & Jaggi 2023 ("Landmark Attention: Random-Access Infinite
+    Context Length for Transformers", appendix prompt): a 5-digit pass key stated in one line inserted at relative
+    depth d of a real-text haystack; the prompt ends with "What is the pass key? The pass key is". Correct when the
+    first number in the answer is the key.
+  - ``multidoc``: question answering over several independent documents (the setting of CacheBlend, Yao et al.
+    2024: retrieved chunks concatenated, a question about one of them). Each document (a different licence text)
+    carries one line "The reference number of Document i is N."; the question asks for document j's number, the
+    others act as distractors. All questions at one length share the same documents (so their KV is shared by a
+    cache). Correct when the first number in the answer is N.
+  - ``perplexity``: held-out real text, scored teacher-forced through vLLM's ``prompt_logprobs``.
+
+- ``recall`` (UCM's trained recall model, see ``recall.py``): associative recall at the model's training length and
+  2x / 4x it (where plain RoPE models are expected to degrade), at several needle depths: a sequence of the length's
+  haystack, cut after its first query's key (``length - 3 * num_queries + 2`` tokens). Perplexity on held-out
+  training-format sequences.
+
+Lengths are prompt lengths in tokens of the model's tokenizer (the real prompt is within a few tokens of it).
+Everything is deterministic given the seed (:func:`seeded_rng`, independent of ``PYTHONHASHSEED``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ucm.quality.recall import RecallSpec, make_example
+from ucm.testing.texts import Tokenizer, source_texts
+
+Suite = Literal["real", "recall"]
+SUITES: tuple[Suite, ...] = ("real", "recall")
+DEPTHS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+SHORT_DEPTHS: tuple[float, ...] = (0.0, 0.5, 1.0)
+REAL_LENGTHS: tuple[int, ...] = (1024, 2048, 4096, 8192)
+SHORT_REAL_LENGTHS: tuple[int, ...] = (1024,)
+NUM_DOCS = 4
+ANSWER_TOKENS_REAL = 12  # a 5-digit number is 5 SmolLM2 tokens; room for a leading space or words
+ANSWER_TOKENS_RECALL = 4
+PERPLEXITY_TOKENS = 1024
+_NUMBER_RE = re.compile(r"\d+")
+
+_PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
+_PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+_MULTIDOC_INTRO = "Below are several independent documents. Each document has a reference number.\n\n"
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One evaluation prompt.
+
+    Attributes:
+        id: unique, readable (``passkey-L2048-d0.50``).
+        task: ``passkey``, ``multidoc``, ``recall`` or ``perplexity``.
+        length: the target prompt length in tokens (the bucket reported).
+        prompt: the text given to the engine (the tokenizer adds its special tokens, as vLLM does).
+        answer: the expected answer (digits or a word); None for perplexity items.
+        max_tokens: tokens to generate (greedy); 1 for perplexity items.
+        depth: relative needle depth in [0, 1]; None where it does not apply.
+    """
+
+    id: str
+    task: str
+    length: int
+    prompt: str
+    answer: str | None
+    max_tokens: int
+    depth: float | None = None
+
+    @property
+    def is_perplexity(self) -> bool:
+        """True for teacher-forced perplexity items (scored on prompt log-probs, not on generated text)."""
+        return self.task == "perplexity"
+
+
+def is_correct(item: EvalItem, generated_text: str) -> bool:
+    """Score a generated answer: the first number (real suite) or first word (recall) equals ``item.answer``.
+
+    Raises:
+        ValueError: ``item`` is a perplexity item (it has no answer).
+    """
+    if item.answer is None:
+        raise ValueError(f"item {item.id} ({item.task}) has no answer to score")
+    if item.task == "recall":
+        words = generated_text.split()
+        return bool(words) and words[0] == item.answer
+    match = _NUMBER_RE.search(generated_text)
+    return match is not None and match.group(0) == item.answer
+
+
+def seeded_rng(name: str) -> random.Random:
+    """A ``random.Random`` seeded from the SHA-256 of ``name``.
+
+    Not ``random.Random(name)``: Python's string seeding feeds the string into Mersenne Twister's ``init_by_array``,
+    and similar strings then give nearly equal first outputs (``"0-passkey-8172-0.0"`` and ``"0-multidoc-8172"``
+    drew the same 5-digit key).
+    """
+    return random.Random(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big"))
+
+
+def _budget(tokenizer: Tokenizer, *texts: str) -> int:
+    return sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+
+
+def _insert_line(tokenizer: Tokenizer, ids: list[int], depth: float, line: str) -> str:
+    """Decode ``ids`` with ``line`` inserted on its own line at the first line break at or after ``depth``."""
+    cut = round(depth * len(ids))
+    head, tail = tokenizer.decode(ids[:cut]), tokenizer.decode(ids[cut:])
+    if depth >= 1.0 or not tail:
+        return f"{head}\n{line}"
+    if depth <= 0.0:
+        return f"{line}\n{head}{tail}"
+    br = tail.find("\n")
+    if br < 0:
+        return f"{head}{tail}\n{line}"
+    return f"{head}{tail[:br]}\n{line}{tail[br:]}"
+
+
+def _key(rng: random.Random) -> str:
+    return str(rng.randrange(10_000, 100_000))
+
+
+def passkey_items(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence[float], seed: int) -> list[EvalItem]:
+    """Passkey retrieval prompts, one per (length, depth); see the module docstring.
+
+    Raises:
+        RuntimeError: the machine's text is too short for the longest haystack.
+    """
+    stream = tokenizer.encode("\n\n".join(source_texts()[:2]), add_special_tokens=False)
+    items = []
+    for length in lengths:
+        for depth in depths:
+            rng = seeded_rng(f"{seed}-passkey-{length}-{depth}")
+            key = _key(rng)
+            needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+            n_hay = length - _budget(tokenizer, _PASSKEY_INTRO, needle, _PASSKEY_QUESTION) - 4
+            if n_hay > len(stream):
+                raise RuntimeError(f"passkey length {length} needs {n_hay} haystack tokens, the text has {len(stream)}")
+            body = _insert_line(tokenizer, stream[:n_hay], depth, needle)
+            items.append(
+                EvalItem(
+                    id=f"passkey-L{length}-d{depth:.2f}",
+                    task="passkey",
+                    length=length,
+                    prompt=_PASSKEY_INTRO + body + _PASSKEY_QUESTION,
+                    answer=key,
+                    max_tokens=ANSWER_TOKENS_REAL,
+                    depth=depth,
+                )
+            )
+    return items
+
+
+def multidoc_items(
+    tokenizer: Tokenizer, lengths: Sequence[int], seed: int, num_docs: int = NUM_DOCS, questions: int = NUM_DOCS
+) -> list[EvalItem]:
+    """Multi-document QA prompts: per length, ``num_docs`` documents and ``questions`` questions (documents 1..).
+
+    Raises:
+        RuntimeError: fewer than ``num_docs`` document sources, or a source too short for its share of a length.
+    """
+    sources = sorted(source_texts()[3:], key=len, reverse=True)[:num_docs]  # the longest ones, fixed order
+    if len(sources) < num_docs:
+        raise RuntimeError(f"multidoc needs {num_docs} document sources, this machine has {len(sources)}")
+    items = []
+    for length in lengths:
+        rng = seeded_rng(f"{seed}-multidoc-{length}")
+        numbers = [_key(rng) for _ in range(num_docs)]
+        question = "\n\nQuestion: What is the reference number of Document {j}?\nAnswer: The reference number of "
+        question += "Document {j} is"
+        facts = [f"The reference number of Document {i + 1} is {numbers[i]}." for i in range(num_docs)]
+        headers = [f"Document {i + 1}:\n" for i in range(num_docs)]
+        overhead = _budget(tokenizer, _MULTIDOC_INTRO, question.format(j=1), *facts, *headers) + 2 * num_docs + 4
+        per_doc = (length - overhead) // num_docs
+        docs = []
+        for i in range(num_docs):
+            ids = tokenizer.encode(sources[i], add_special_tokens=False)
+            if per_doc > len(ids):
+                raise RuntimeError(
+                    f"multidoc length {length} needs {per_doc} tokens per document, a source has {len(ids)}"
+                )
+            docs.append(headers[i] + _insert_line(tokenizer, ids[:per_doc], rng.random(), facts[i]))
+        context = _MULTIDOC_INTRO + "\n\n".join(docs)
+        for j in range(questions):
+            items.append(
+                EvalItem(
+                    id=f"multidoc-L{length}-doc{j + 1}",
+                    task="multidoc",
+                    length=length,
+                    prompt=context + question.format(j=j + 1),
+                    answer=numbers[j],
+                    max_tokens=ANSWER_TOKENS_REAL,
+                )
+            )
+    return items
+
+
+def perplexity_items(tokenizer: Tokenizer, n_tokens: int, count: int) -> list[EvalItem]:
+    """``count`` consecutive segments of ``n_tokens`` tokens of held-out real text (source 2).
+
+    Raises:
+        RuntimeError: the held-out source is shorter than ``count * n_tokens`` tokens.
+    """
+    ids = tokenizer.encode(source_texts()[2], add_special_tokens=False)
+    if count * n_tokens > len(ids):
+        raise RuntimeError(f"perplexity needs {count}x{n_tokens} tokens, the held-out text has {len(ids)}")
+    return [
+        EvalItem(
+            id=f"perplexity-L{n_tokens}-{i}",
+            task="perplexity",
+            length=n_tokens,
+            prompt=tokenizer.decode(ids[i * n_tokens : (i + 1) * n_tokens]),
+            answer=None,
+            max_tokens=1,
+        )
+        for i in range(count)
+    ]
+
+
+def real_suite(
+    tokenizer: Tokenizer, lengths: Sequence[int], short: bool, seed: int, max_model_len: int
+) -> list[EvalItem]:
+    """The ``real`` suite: passkey at every (length, depth), multidoc at every length, perplexity segments.
+
+    Lengths above ``max_model_len - ANSWER_TOKENS_REAL - 8`` are clipped to it (label kept: an "8192" prompt of an
+    8K-context model is ~8170 tokens, leaving room for the answer).
+    """
+
+    def fit(length: int) -> int:
+        return min(length, max_model_len - ANSWER_TOKENS_REAL - 8)
+
+    depths = SHORT_DEPTHS if short else DEPTHS
+    items: list[EvalItem] = []
+    for length in lengths:
+        for item in passkey_items(tokenizer, [fit(length)], depths, seed):
+            items.append(_relabel(item, length))
+        for item in multidoc_items(tokenizer, [fit(length)], seed, questions=2 if short else NUM_DOCS):
+            items.append(_relabel(item, length))
+    items += perplexity_items(tokenizer, 256 if short else PERPLEXITY_TOKENS, 1 if short else 2)
+    return items
+
+
+def _relabel(item: EvalItem, length: int) -> EvalItem:
+    if item.length == length:
+        return item
+    new_id = item.id.replace(f"-L{item.length}-", f"-L{length}-")
+    return EvalItem(new_id, item.task, length, item.prompt, item.answer, item.max_tokens, item.depth)
+
+
+def recall_suite(spec: RecallSpec, lengths: Sequence[int], short: bool, seed: int) -> list[EvalItem]:
+    """The ``recall`` suite: ``per_cell`` single-query prompts per (length, depth), plus perplexity sequences.
+
+    Full: 4 prompts per cell at 5 depths; short: 2 per cell at 3 depths.
+    """
+    depths = SHORT_DEPTHS if short else DEPTHS
+    per_cell = 2 if short else 4
+    items = []
+    for length in lengths:
+        for depth in depths:
+            for k in range(per_cell):
+                rng = seeded_rng(f"{seed}-recall-{length}-{depth}-{k}")
+                # a training sequence of `length` tokens cut after its first query's key, as in training
+                ex = make_example(spec, rng, spec.haystack_len(length), 1, depth=depth)
+                items.append(
+                    EvalItem(
+                        id=f"recall-L{length}-d{depth:.2f}-{k}",
+                        task="recall",
+                        length=length,
+                        prompt=" ".join(ex.words),
+                        answer=ex.answers[0],
+                        max_tokens=ANSWER_TOKENS_RECALL,
+                        depth=depth,
+                    )
+                )
+    for k in range(1 if short else 2):
+        rng = seeded_rng(f"{seed}-recall-perplexity-{k}")
+        ex = make_example(spec, rng, spec.haystack_len(spec.train_len), spec.num_queries)
+        items.append(
+            EvalItem(f"perplexity-L{spec.train_len}-{k}", "perplexity", spec.train_len, " ".join(ex.words), None, 1)
+        )
+    return items
+
+
+def default_lengths(suite: Suite, model_dir: Path, short: bool) -> list[int]:
+    """Real: 1K, 2K, 4K, 8K (short: 1K). Recall: the training length, 2x and 4x (short: 1x and 2x)."""
+    if suite == "real":
+        return list(SHORT_REAL_LENGTHS if short else REAL_LENGTHS)
+    train_len = RecallSpec.load(model_dir).train_len
+    return [train_len, 2 * train_len] if short else [train_len, 2 * train_len, 4 * train_len]
