@@ -26,6 +26,7 @@ GPU backends are not wrapped in this version (the plugin registers nothing there
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -62,16 +63,28 @@ def _announce(name: str, kept: int, total: int) -> None:
         logger.info("sparse attention %s: first decode selection kept %d of %d blocks", name, kept, total)
 
 
+_parsed: dict[str, UcmSparseConfig | None] = {}  # kv_connector_extra_config (JSON) -> its ucm_sparse_config
+
+
 def sparse_config_of(vllm_config: Any) -> UcmSparseConfig | None:
     """``ucm_sparse_config`` from a vLLM config's ``kv_transfer_config``, when its connector is UCMConnector.
 
-    Raises:
-        UcmConfigError: the UCM config is invalid (unknown sparse method or key, bad value).
+    Parsed once per process and config (every attention layer asks). An invalid UCM config gives ``None`` here
+    (pass-through): UCMConnector, built after the model, refuses it at start with the full error message, so a bad
+    key is reported once, by the connector, whether or not it concerns sparse attention.
     """
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is None or transfer.kv_connector != _UCM_CONNECTOR:
         return None
-    return config_from_extra_config(transfer.kv_connector_extra_config).ucm_sparse_config
+    extra = transfer.kv_connector_extra_config
+    cache_key = json.dumps(extra, sort_keys=True, default=str)
+    if cache_key not in _parsed:
+        try:
+            _parsed[cache_key] = config_from_extra_config(extra).ucm_sparse_config
+        except UcmConfigError as exc:
+            logger.debug("attention wrapper: invalid UCM config, left to UCMConnector to report: %s", exc)
+            _parsed[cache_key] = None
+    return _parsed[cache_key]
 
 
 class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
