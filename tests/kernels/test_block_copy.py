@@ -26,6 +26,7 @@ from tests.kernels.kv_data import (
     poisoned,
     random_kv,
 )
+from tests.kernels.sm90 import compile_for_sm90
 from ucm.kernels import (
     KVLayout,
     gather_blocks,
@@ -212,9 +213,6 @@ KERNEL_CASES = [
 def test_kernel_compiles_for_sm90(layout: KVLayout, word: str, gather: bool) -> None:
     """``triton.compile`` down to PTX and cubin (ptxas ships with triton) for an H100/H200 target; the FLASH_NHD
     and MLA chunk copies must come out as 16-byte vector loads (the LAYER_ALIGN hint at work)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     block_size, heads, dim = (128, 1, 576) if layout == KVLayout.MLA else (128, 8, 128)
     const = {
         "NUM_LAYERS": 4,
@@ -238,8 +236,6 @@ def test_kernel_compiles_for_sm90(layout: KVLayout, word: str, gather: bool) -> 
     }
     # What a launch with 16-byte aligned tensors and strides divisible by 16 specializes to.
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}
-    src = triton.compiler.ASTSource(fn=_block_copy_kernel, signature=sig, constexprs=const, attrs=aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    assert {"ttgir", "llir", "ptx", "cubin"} <= set(compiled.asm)
+    asm = compile_for_sm90(_block_copy_kernel, sig, const, attrs=aligned)
     if layout != KVLayout.CPU_ATTN:
-        assert "ld.global.v4" in compiled.asm["ptx"]
+        assert "ld.global.v4" in asm["ptx"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.kernels.interp import INTERPRETED, needs_interpreter, run_interpreted
+from tests.kernels.sm90 import compile_for_sm90
 from ucm.kernels.block_scores import _block_scores_kernel, block_scores, block_scores_reference, scores_kernel_meta
 
 NUM_BLOCKS = 37
@@ -70,9 +71,6 @@ def test_errors_name_the_bad_value() -> None:
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 replaces @triton.jit")
 @pytest.mark.parametrize("word", ["bf16", "fp16", "fp32"])
 def test_kernel_compiles_for_sm90(word: str) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     const = {"HQ": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, **scores_kernel_meta(128)}
     sig = {
         "q_ptr": f"*{word}",
@@ -85,9 +83,7 @@ def test_kernel_compiles_for_sm90(word: str) -> None:
         "W": "i32",
         **dict.fromkeys(const, "constexpr"),
     }
-    src = triton.compiler.ASTSource(fn=_block_scores_kernel, signature=sig, constexprs=const)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    assert {"ttgir", "ptx", "cubin"} <= set(compiled.asm)
+    compile_for_sm90(_block_scores_kernel, sig, const)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreted run")

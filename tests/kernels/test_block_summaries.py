@@ -14,6 +14,7 @@ import torch
 
 from tests.kernels.interp import INTERPRETED, needs_interpreter, run_interpreted
 from tests.kernels.kv_data import poisoned
+from tests.kernels.sm90 import compile_for_sm90
 from ucm.kernels.block_summaries import (
     _block_summaries_kernel,
     block_summaries,
@@ -87,9 +88,6 @@ def test_errors_name_the_bad_value() -> None:
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 replaces @triton.jit")
 @pytest.mark.parametrize("word", ["bf16", "fp16", "fp32"])
 def test_kernel_compiles_for_sm90(word: str) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     bs, h, d = 128, 8, 128
     const = {"NUM_HEADS": h, "HEAD_DIM": d, "BLOCK_SIZE": bs, **summaries_kernel_meta(bs, d)}
     sig = {
@@ -104,9 +102,7 @@ def test_kernel_compiles_for_sm90(word: str) -> None:
         "stride_d": "i64",
         **dict.fromkeys(const, "constexpr"),
     }
-    src = triton.compiler.ASTSource(fn=_block_summaries_kernel, signature=sig, constexprs=const)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    assert {"ttgir", "ptx", "cubin"} <= set(compiled.asm)
+    compile_for_sm90(_block_summaries_kernel, sig, const)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreted run")
