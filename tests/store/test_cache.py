@@ -558,8 +558,9 @@ def test_concurrent_loads_and_dumps_over_posix_are_bit_exact(tmp_path: Path, siz
                 for j, key in enumerate(chosen):
                     if j not in result.failed and not torch.equal(dst[j], blocks[key]):
                         errors.append(f"wrong bytes for key {keys.index(key)}")
-            if not cache.used_bytes <= cache.slot_bytes <= cache.capacity_bytes:
-                errors.append("over capacity")
+            used, slots = cache.usage()  # one snapshot: other threads change them between two reads
+            if not used <= slots <= cache.capacity_bytes:
+                errors.append(f"over capacity: used {used}, slots {slots}, capacity {cache.capacity_bytes}")
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
     for t in threads:

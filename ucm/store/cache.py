@@ -137,6 +137,12 @@ class CacheStore(UcmKVStoreBase):
         with self._lock:
             return self._slot_bytes
 
+    def usage(self) -> tuple[int, int]:
+        """``(used_bytes, slot_bytes)`` read together: each property alone may change between two reads while other
+        threads load and dump."""
+        with self._lock:
+            return self._used, self._slot_bytes
+
     def cached_keys(self) -> list[bytes]:
         """Keys held in DRAM, least recently used first."""
         with self._lock:
