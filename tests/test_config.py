@@ -216,10 +216,9 @@ def test_pipeline_spaces_are_normalized() -> None:
     assert parse_config(store_cfg(store_pipeline=" Cache | Posix ")).store.store_pipeline == "Cache|Posix"
 
 
-def test_layerwise_not_available() -> None:
-    msg = config_error({"use_layerwise": True})
-    assert "use_layerwise" in msg
-    assert "allowed: false" in msg
+def test_layerwise_accepted() -> None:
+    assert parse_config({"use_layerwise": True}).use_layerwise is True
+    assert parse_config({"use_layerwise": False}).use_layerwise is False
 
 
 def test_record_traces_not_available() -> None:

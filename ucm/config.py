@@ -252,7 +252,12 @@ class UcmConfig(_Strict):
         description="Accepted; no effect in this version: the gather runs on the compute stream after the forward "
         "pass (device builds) or synchronously (CPU), so it always sees the step's KV.",
     )
-    use_layerwise: bool = Field(False, description="Layer-by-layer load/dump (not available yet; must be false).")
+    use_layerwise: bool = Field(
+        False,
+        description="Layer-by-layer transfer: a step's loads are read layer shard by layer shard and each layer is "
+        "scattered just before its attention (layer i+1 still arriving while layer i computes); dumps are gathered "
+        "layer by layer right after each layer's attention. Same stored bytes as blockwise.",
+    )
     enable_record_traces: bool = Field(False, description="Record per-transfer traces (not available yet).")
     ucm_sparse_config: UcmSparseConfig | None = Field(
         None, description="Sparse attention at decode, e.g. {GSA: {sparse_ratio: 0.3}} (null: dense)."
@@ -267,8 +272,6 @@ class UcmConfig(_Strict):
 
     @model_validator(mode="after")
     def _unbuilt_features(self) -> UcmConfig:
-        if self.use_layerwise:
-            raise ValueError("use_layerwise: true is not available in this UCM version; allowed: false")
         if self.enable_record_traces:
             raise ValueError("enable_record_traces: true is not available in this UCM version; allowed: false")
         return self

@@ -94,6 +94,21 @@ def test_gather_int32_and_strided_ids(layout: KVLayout) -> None:
     assert bits_equal(gather_blocks(caches, ids, layout, out=out), ref)
 
 
+@pytest.mark.parametrize("impl", ["cpu", "torch"])
+@layout_params
+def test_gather_one_layer_into_a_strided_staging_slice(layout: KVLayout, impl: str) -> None:
+    """The layerwise dump's use: each layer gathered into ``staging[:, l : l + 1]`` of a block-major buffer (leading
+    dims strided, shard dims contiguous) gives the all-layers gather, and writes nothing outside its slice."""
+    caches = random_caches(layout, torch.bfloat16, 16, 3, 64, seed=5)
+    ids = torch.tensor([5, 0, 3])
+    staging = poisoned((3, *canonical_block_shape(NUM_LAYERS, 16, 3, 64)), torch.bfloat16)
+    for layer in range(NUM_LAYERS):
+        gather_blocks([caches[layer]], ids, layout, out=staging[:, layer : layer + 1], impl=impl)  # type: ignore[arg-type]
+        untouched = staging[:, layer + 1 :]
+        assert bool((int_view(untouched) == -1).all())
+    assert bits_equal(staging, gather_blocks_reference(caches, ids, layout))
+
+
 @dtype_params
 @layout_params
 def test_gather_repeated_ids(layout: KVLayout, dtype: torch.dtype) -> None:

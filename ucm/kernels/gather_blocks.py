@@ -31,10 +31,12 @@ from ucm.kernels.layouts import (
 
 
 def alloc_or_check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """``out`` after checking it is a contiguous ``shape`` tensor of ``like``'s dtype and device, or a new one.
+    """``out`` after checking it is a ``shape`` tensor of ``like``'s dtype and device whose shard dims (all but the
+    two leading ones) are contiguous, or a new contiguous one. The two leading dims may have any strides: e.g.
+    ``staging[:, l : l + 1]`` of a block-major buffer, to gather one layer into it.
 
     Raises:
-        ValueError: ``out`` has another shape, dtype or device, or is not contiguous.
+        ValueError: ``out`` has another shape, dtype or device, or its shard dims are not contiguous.
     """
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -42,8 +44,8 @@ def alloc_or_check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: t
         raise ValueError(
             f"out must be {shape} {like.dtype} on {like.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
+    if out.numel() and not out[0, 0].is_contiguous():
+        raise ValueError(f"out's shard dims must be contiguous, got strides {tuple(out.stride())}")
     return out
 
 
@@ -64,8 +66,10 @@ def gather_blocks(
             Any dtype (bf16, fp16, fp32, fp8, ...): elements are moved as same-width integers.
         block_ids: int32/int64 ``[n]`` vLLM block ids, on any device (repeats allowed: the block is copied again).
         layout: the paged layout.
-        out: optional contiguous ``[n, num_layers, *shard]`` tensor of the caches' dtype and device, where shard is
-            ``[2, block_size, num_kv_heads, head_dim]`` (MLA ``[block_size, latent_dim]``).
+        out: optional ``[n, num_layers, *shard]`` tensor of the caches' dtype and device, where shard is
+            ``[2, block_size, num_kv_heads, head_dim]`` (MLA ``[block_size, latent_dim]``); the shard dims must be
+            contiguous, the leading two may be strided (``staging[:, l : l + 1]`` gathers layer ``l`` of a
+            ``[n, num_layers, *shard]`` staging buffer from ``kv_caches=[cache_l]``).
         impl: ``"auto"`` (Triton on CUDA, the CPU fast path on CPU, torch elsewhere), ``"triton"``, ``"cpu"`` or
             ``"torch"``.
 

@@ -20,6 +20,7 @@ block; the caller keeps ``src`` unchanged and ``dst`` alive until the task is do
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,20 +57,78 @@ class TaskResult:
         return not self.failed
 
 
+class ShardProgress:
+    """Progress of a sharded load (:meth:`UcmKVStoreBase.load_sharded`): which shards are in every row of ``dst``.
+
+    A row of ``num_shards`` equal shards (a layerwise load: shard = layer) is read shard by shard; whoever reads a
+    part (a store stage, or the stages under it that it passed this object to) calls :meth:`done` once per shard
+    for the rows it read (or failed to read). Shard ``s`` is *ready* when all ``num_rows`` rows have reported it.
+    Thread-safe.
+
+    Args:
+        num_shards: shards per row (>= 1).
+        num_rows: rows of the load (>= 0).
+    """
+
+    def __init__(self, num_shards: int, num_rows: int) -> None:
+        self._remaining = [num_rows] * num_shards
+        self._cond = threading.Condition()
+
+    @property
+    def num_shards(self) -> int:
+        """Shards per row."""
+        return len(self._remaining)
+
+    def done(self, shard: int, count: int = 1) -> None:
+        """Record that ``count`` more rows have their shard ``shard`` read (or failed)."""
+        with self._cond:
+            self._remaining[shard] -= count
+            if self._remaining[shard] <= 0:
+                self._cond.notify_all()
+
+    def done_all(self, count: int) -> None:
+        """Record every shard of ``count`` more rows (rows served whole, or failed before any read)."""
+        with self._cond:
+            self._remaining = [r - count for r in self._remaining]
+            self._cond.notify_all()
+
+    def ready(self, shard: int) -> bool:
+        """True when every row has reported shard ``shard``."""
+        with self._cond:
+            return self._remaining[shard] <= 0
+
+    def wait(self, shard: int, finished: Callable[[], bool]) -> None:
+        """Block until shard ``shard`` is ready or ``finished()`` is true (re-checked at each :meth:`notify`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._remaining[shard] <= 0 or finished())
+
+    def notify(self) -> None:
+        """Wake the waiters so that they re-check their ``finished`` condition."""
+        with self._cond:
+            self._cond.notify_all()
+
+
 class Task:
-    """Handle of an asynchronous batched load or dump, backed by a ``concurrent.futures.Future``."""
+    """Handle of an asynchronous batched load or dump, backed by a ``concurrent.futures.Future``.
 
-    __slots__ = ("_future",)
+    A sharded load (:meth:`UcmKVStoreBase.load_sharded`) also carries a :class:`ShardProgress`, so that a reader can
+    use each shard as soon as it has arrived (:meth:`wait_shard`).
+    """
 
-    def __init__(self, future: Future[TaskResult]) -> None:
+    __slots__ = ("_future", "_progress")
+
+    def __init__(self, future: Future[TaskResult], progress: ShardProgress | None = None) -> None:
         self._future = future
+        self._progress = progress
+        if progress is not None:  # a finished task releases its shard waiters, whatever happened
+            future.add_done_callback(lambda _f: progress.notify())
 
     @classmethod
-    def completed(cls, result: TaskResult) -> Task:
-        """A task that is already done with ``result``."""
+    def completed(cls, result: TaskResult, progress: ShardProgress | None = None) -> Task:
+        """A task that is already done with ``result`` (a sharded load's carries its ``progress``)."""
         future: Future[TaskResult] = Future()
         future.set_result(result)
-        return cls(future)
+        return cls(future, progress)
 
     def done(self) -> bool:
         """True once the task has finished (successfully or not)."""
@@ -78,6 +137,26 @@ class Task:
     def result(self, timeout: float | None = None) -> TaskResult:
         """Block until the task is done and return its result (``timeout`` in seconds)."""
         return self._future.result(timeout)
+
+    def wait_shard(self, shard: int) -> None:
+        """Block until shard ``shard`` (``0 <= shard < num_shards``) of every row of a sharded load is in ``dst``,
+        or the task is done. The bytes are **not yet validated**: only :meth:`result` says which rows are good (a
+        row that fails validation later has unspecified bytes). A task without shard progress (a plain load, or a
+        stage that reads whole blocks) waits for the whole task.
+
+        Raises:
+            IndexError: ``shard`` is out of range for a sharded load.
+        """
+        if self._progress is None:
+            self._future.exception()  # waits; the outcome is the caller's to take from result()
+            return
+        if not 0 <= shard < self._progress.num_shards:
+            raise IndexError(f"shard {shard} out of range [0, {self._progress.num_shards})")
+        self._progress.wait(shard, self._future.done)
+
+    def add_done_callback(self, fn: Callable[[Task], None]) -> None:
+        """Call ``fn(task)`` once the task is done (at once if it is), on the thread that completes it."""
+        self._future.add_done_callback(lambda _f: fn(self))
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
@@ -113,6 +192,29 @@ def check_keys_and_buffer(keys: Sequence[bytes], buf: torch.Tensor, name: str) -
         )
 
 
+def check_shards(buf: torch.Tensor, num_shards: int) -> int:
+    """Validate ``num_shards`` for a sharded load into ``buf`` (``[num_keys, nbytes]``); return the shard size in
+    bytes.
+
+    Raises:
+        ValueError: ``num_shards`` < 1, or it does not divide the row size ``nbytes``.
+    """
+    nbytes = buf.shape[-1] if buf.dim() else 0
+    if not isinstance(num_shards, int) or num_shards < 1 or nbytes % num_shards:
+        raise ValueError(f"num_shards must be an int >= 1 dividing the row size {nbytes} bytes, got {num_shards!r}")
+    return nbytes // num_shards
+
+
+def report_whole(task: Task, progress: ShardProgress | None, num_rows: int) -> Task:
+    """``task`` (a whole-block load of ``num_rows`` rows) as a sharded load reporting into ``progress``: every shard
+    of its rows is reported when it is done. With ``progress`` ``None``, ``task`` itself (``wait_shard`` waits for
+    the whole task)."""
+    if progress is None:
+        return task
+    task.add_done_callback(lambda _t: progress.done_all(num_rows))
+    return Task(task._future, progress)
+
+
 def tiered_lookup(keys: Sequence[bytes], present: Callable[[bytes], bool], below: UcmKVStoreBase | None) -> int:
     """Leading ``keys`` that are ``present`` here or, failing that, in the store ``below`` (prefix semantics).
 
@@ -143,6 +245,29 @@ class UcmKVStoreBase(abc.ABC):
 
         The task's result names the keys that failed (absent or damaged); their ``dst`` rows are unspecified.
         """
+
+    def load_sharded(
+        self, keys: Sequence[bytes], dst: torch.Tensor, num_shards: int, progress: ShardProgress | None = None
+    ) -> Task:
+        """Like :meth:`load`, for rows made of ``num_shards`` equal byte ranges (a layerwise load: one shard per
+        layer), read so that the task's :meth:`Task.wait_shard` can hand out shard ``s`` of every row before the
+        later shards have arrived. Validation is unchanged: the task's result names the keys that failed, possibly
+        after some of their shards were handed out (such rows must then be dropped).
+
+        ``progress``: a stage above that serves some rows itself passes its own :class:`ShardProgress` (sized for
+        all its rows); this stage then reports its rows into it. ``None``: a new one for these rows.
+
+        Stages that read shard by shard override this; this default reads whole blocks with :meth:`load` and
+        reports every shard of a row when the whole load is done.
+
+        Raises:
+            TypeError / ValueError: bad keys or ``dst`` (see :func:`check_keys_and_buffer`); ``num_shards`` < 1 or
+                not dividing the row size.
+            RuntimeError: the store is closed.
+        """
+        check_keys_and_buffer(keys, dst, "dst")
+        check_shards(dst, num_shards)
+        return report_whole(self.load(keys, dst), progress, len(keys))
 
     @abc.abstractmethod
     def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:

@@ -42,7 +42,16 @@ import numpy as np
 import torch
 
 from ucm.logger import init_logger
-from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys, check_keys_and_buffer, tiered_lookup
+from ucm.store.base import (
+    ShardProgress,
+    Task,
+    TaskResult,
+    UcmKVStoreBase,
+    check_keys,
+    check_keys_and_buffer,
+    check_shards,
+    tiered_lookup,
+)
 
 logger = init_logger(__name__)
 
@@ -268,24 +277,7 @@ class CacheStore(UcmKVStoreBase):
         if not keys:
             return Task.completed(TaskResult(0))
         nbytes = dst.shape[1]
-        hits: list[tuple[int, _Entry]] = []
-        misses: list[int] = []
-        with self._lock:
-            for i, key in enumerate(keys):
-                entry = self._entries.get(key)
-                if entry is not None and entry.data.numel() == nbytes:
-                    entry.pins += 1
-                    self._entries.move_to_end(key)
-                    hits.append((i, entry))
-                else:
-                    misses.append(i)
-        try:
-            for i, entry in hits:
-                _copy_row(dst[i], entry.data)
-        finally:
-            with self._lock:
-                for _, entry in hits:
-                    entry.pins -= 1
+        misses = self._copy_hits(keys, dst)
         if not misses:
             return Task.completed(TaskResult(len(keys)))
         if self._inner is None:
@@ -300,6 +292,47 @@ class CacheStore(UcmKVStoreBase):
         except RuntimeError:  # closed concurrently: wait for the reads here, so that no slot is reused under one
             self._finish_load_safely(list(keys), dst, reads, result)
         return Task(result)
+
+    def load_sharded(
+        self, keys: Sequence[bytes], dst: torch.Tensor, num_shards: int, progress: ShardProgress | None = None
+    ) -> Task:
+        """A sharded load (see :meth:`~ucm.store.base.UcmKVStoreBase.load_sharded`): DRAM hits are copied whole
+        before this returns (all their shards ready); the misses are read from the stage below straight into
+        ``dst`` with its own ``load_sharded``, one call per run of consecutive rows, reporting into the same
+        progress, so each shard reaches the caller as soon as the stage below has it. Once validated, the loaded
+        rows are copied into slots and cached (read-through promotion, within the capacity), before the task
+        completes: the caller may reuse ``dst`` as soon as the task is done.
+
+        Raises:
+            TypeError / ValueError: bad keys or ``dst``, or ``num_shards`` not dividing the row size.
+            RuntimeError: the store is closed.
+        """
+        check_keys_and_buffer(keys, dst, "dst")
+        check_shards(dst, num_shards)
+        self._check_open()
+        if progress is None:
+            progress = ShardProgress(num_shards, len(keys))
+        misses = self._copy_hits(keys, dst)
+        progress.done_all(len(keys) - len(misses))
+        if not misses or self._inner is None:
+            progress.done_all(len(misses))
+            return Task.completed(TaskResult(len(keys), frozenset(misses)), progress)
+        reads: list[_Read] = []
+        for a, b in _runs(misses):
+            try:
+                task: Task | None = self._inner.load_sharded(keys[a:b], dst[a:b], num_shards, progress)
+            except Exception:
+                logger.exception("cache store: load of %d blocks from the stage below failed to start", b - a)
+                progress.done_all(b - a)
+                task = None
+            reads.append(_Read(task, list(range(a, b))))
+        assert self._loader is not None
+        result: Future[TaskResult] = Future()
+        try:
+            self._loader.submit(self._finish_sharded_safely, list(keys), dst, reads, result)
+        except RuntimeError:  # closed concurrently
+            self._finish_sharded_safely(list(keys), dst, reads, result)
+        return Task(result, progress)
 
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
         """Pass the model namespace down to the stage below (the DRAM tier keeps nothing per namespace)."""
@@ -478,6 +511,71 @@ class CacheStore(UcmKVStoreBase):
             logger.debug("cache store: stage below did not store %d of %d blocks", len(inner_failed), len(write_back))
         failed = frozenset(i for i in inner_failed if i not in cached)
         return TaskResult(len(keys), failed)
+
+    def _copy_hits(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[int]:
+        """Copy the cached blocks of ``keys`` into their rows of ``dst`` (pinned meanwhile; each becomes most
+        recently used); return the indices of the misses."""
+        nbytes = dst.shape[1]
+        hits: list[tuple[int, _Entry]] = []
+        misses: list[int] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is not None and entry.data.numel() == nbytes:
+                    entry.pins += 1
+                    self._entries.move_to_end(key)
+                    hits.append((i, entry))
+                else:
+                    misses.append(i)
+        try:
+            for i, entry in hits:
+                _copy_row(dst[i], entry.data)
+        finally:
+            with self._lock:
+                for _, entry in hits:
+                    entry.pins -= 1
+        return misses
+
+    def _finish_sharded_safely(
+        self, keys: list[bytes], dst: torch.Tensor, reads: list[_Read], result: Future[TaskResult]
+    ) -> None:
+        """Complete a sharded load: wait for the stage below, cache the validated rows (copied into slots), then
+        resolve ``result``; if anything raises first, fail the missed keys (never hang)."""
+        try:
+            failed: set[int] = set()
+            for read in reads:
+                if read.task is None:
+                    failed.update(read.indices)
+                    continue
+                try:
+                    bad = self._inner.wait(read.task).failed  # type: ignore[union-attr]
+                except Exception:
+                    logger.exception("cache store: load of %d blocks from the stage below failed", len(read.indices))
+                    bad = frozenset(range(len(read.indices)))
+                failed.update(read.indices[j] for j in bad)
+            loaded = [i for read in reads for i in read.indices if i not in failed]
+            with self._lock:
+                slots = self._take_slots(dst.shape[1], len(loaded), steal=True)
+            try:
+                with torch.inference_mode():  # dst may be an inference tensor (vLLM's)
+                    for i, slot in zip(loaded, slots, strict=True):
+                        if slot is not None:
+                            _copy_row(slot, dst[i])
+            finally:
+                with self._lock:
+                    for i, slot in zip(loaded, slots, strict=True):
+                        if slot is None:
+                            continue
+                        if not self._closed and keys[i] not in self._entries:
+                            self._entries[keys[i]] = _Entry(slot, stored_below=True)
+                            self._used += slot.numel()
+                        else:
+                            self._release_slot(slot)
+            result.set_result(TaskResult(len(keys), frozenset(failed)))
+        except Exception:
+            logger.exception("cache store: finishing a sharded load of %d blocks failed", len(keys))
+            if not result.done():
+                result.set_result(TaskResult(len(keys), frozenset(i for read in reads for i in read.indices)))
 
     def _start_reads(
         self, keys: Sequence[bytes], dst: torch.Tensor, misses: list[int], slots: list[torch.Tensor | None]

@@ -82,7 +82,16 @@ import torch
 import xxhash
 
 from ucm.logger import init_logger
-from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys, check_keys_and_buffer
+from ucm.store.base import (
+    ShardProgress,
+    Task,
+    TaskResult,
+    UcmKVStoreBase,
+    check_keys,
+    check_keys_and_buffer,
+    check_shards,
+    report_whole,
+)
 from ucm.store.posix_scan import (
     DEFAULT_TMP_AGE_S,
     FILE_SUFFIX,
@@ -336,6 +345,43 @@ class PosixStore(UcmKVStoreBase):
             lambda i, done: self._load_start(keys[i], dst[i], done),
             "load",
         )
+
+    def load_sharded(
+        self, keys: Sequence[bytes], dst: torch.Tensor, num_shards: int, progress: ShardProgress | None = None
+    ) -> Task:
+        """Start reading the blocks of ``keys`` into ``dst`` shard by shard (``num_shards`` equal byte ranges of
+        each row; a layerwise load: one per layer), all rows' shard 0 first, then shard 1, and so on, so that
+        :meth:`~ucm.store.base.Task.wait_shard` returns shard ``s`` while later shards are still being read.
+
+        Each (shard, key) is one positional read of that byte range of the block file on the I/O threads (with
+        ``io_direct``, through an aligned buffer covering the range), with either ``posix_io_engine``. A key's
+        header is read with its shard 0; once all its shards are in, the block is validated exactly as by
+        :meth:`load` (header, key, exact size, checksum of the whole payload) and the task reports it loaded or
+        failed. Shards handed out by ``wait_shard`` are therefore not validated yet: a caller that uses them early
+        must drop a row that the task's result names as failed. ``progress``: as in
+        :meth:`~ucm.store.base.UcmKVStoreBase.load_sharded`.
+
+        Raises:
+            TypeError / ValueError: bad keys or ``dst`` (see :func:`~ucm.store.base.check_keys_and_buffer`), or
+                ``num_shards`` not dividing the row size.
+            RuntimeError: the store is closed.
+        """
+        check_keys_and_buffer(keys, dst, "dst")
+        shard_nbytes = check_shards(dst, num_shards)
+        if num_shards == 1 or not keys:
+            return report_whole(self.load(keys, dst), progress, len(keys))
+        if self._closed:
+            raise RuntimeError("PosixStore is closed")
+        if progress is None:
+            progress = ShardProgress(num_shards, len(keys))
+        gather = _Gather(len(keys), "load")
+        reads = [_ShardedRead(key, self.block_path(key), dst[i], num_shards) for i, key in enumerate(keys)]
+        for i, read in enumerate(reads):
+            gather.add(i, read.future)
+        for shard in range(num_shards):
+            for read in reads:
+                self._pool.submit(self._load_shard, read, shard, shard_nbytes, progress)
+        return Task(gather.future, progress)
 
     def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
         """Start writing the rows of ``src`` (uint8 ``[len(keys), block_nbytes]``) as the blocks of ``keys``.
@@ -705,6 +751,52 @@ class PosixStore(UcmKVStoreBase):
             reason = exc
         return self._load_outcome(key, path, reason, stat)
 
+    def _load_shard(self, read: _ShardedRead, shard: int, shard_nbytes: int, progress: ShardProgress) -> None:
+        """Read shard ``shard`` of one key's block (with the header for shard 0); the key's last shard validates the
+        whole block and resolves ``read.future``. Never raises: a failure is recorded for the key."""
+        got, error = 0, None
+        error_or_bug: BaseException | None = None
+        try:
+            if not read.failed_early():
+                got, error = self._read_shard(read, shard, shard_nbytes)
+                error_or_bug = error
+        except Exception as exc:  # a bug, not an I/O error: fail the key loudly (through its future)
+            error_or_bug = exc
+        finally:
+            progress.done(shard)
+        if read.shard_read(shard, got, error_or_bug):
+            self._finish_sharded(read)
+
+    def _read_shard(self, read: _ShardedRead, shard: int, shard_nbytes: int) -> tuple[int, OSError | None]:
+        """``(bytes of the block's range read, OSError or None)``; shard 0 also reads the header and ``fstat``."""
+        flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
+        piece = read.payload[shard * shard_nbytes : (shard + 1) * shard_nbytes]
+        try:
+            fd = os.open(read.path, flags)
+            try:
+                if shard == 0:
+                    read.stat = os.fstat(fd)
+                    return _pread_range(fd, [read.header, piece], 0, self._direct), None
+                return _pread_range(fd, [piece], HEADER_NBYTES + shard * shard_nbytes, self._direct), None
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return 0, exc
+
+    def _finish_sharded(self, read: _ShardedRead) -> None:
+        """All shards of ``read`` are in: validate the block as :meth:`load` does and resolve its future."""
+        if isinstance(read.error, BaseException) and not isinstance(read.error, OSError):
+            read.future.set_exception(read.error)
+            return
+        reason: str | OSError | None = read.error
+        if reason is None:
+            assert read.stat is not None
+            reason = _check_block(read.key, read.payload, read.stat.st_size, read.got, read.header)
+            if reason is None:
+                with contextlib.suppress(OSError):
+                    os.utime(read.path, ns=(time.time_ns(), read.stat.st_mtime_ns))
+        read.future.set_result(self._load_outcome(read.key, read.path, reason, read.stat))
+
     def _load_encoded_one(self, key: bytes, out: list[EncodedBlock | None], i: int, max_nbytes: int) -> bool:
         path = self.block_path(key)
         flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
@@ -791,6 +883,37 @@ class PosixStore(UcmKVStoreBase):
             )
             return False
         return True
+
+
+class _ShardedRead:
+    """One key of a :meth:`PosixStore.load_sharded`: where its shards go and what their reads found."""
+
+    def __init__(self, key: bytes, path: str, row: torch.Tensor, num_shards: int) -> None:
+        self.key = key
+        self.path = path
+        self.payload = row.numpy().data.cast("B")
+        self.header = memoryview(bytearray(HEADER_NBYTES))
+        self.stat: os.stat_result | None = None  # from shard 0's read
+        self.future: Future[bool] = Future()
+        self.got = 0  # header and payload bytes read, over all shards
+        self.error: BaseException | None = None  # the first failure, in shard order
+        self._error_shard = num_shards
+        self._remaining = num_shards
+        self._lock = threading.Lock()
+
+    def failed_early(self) -> bool:
+        """True when an earlier read of this key already failed (later shards need not be read)."""
+        with self._lock:
+            return self.error is not None
+
+    def shard_read(self, shard: int, got: int, error: BaseException | None) -> bool:
+        """Record one shard's outcome; True for the key's last shard (the caller then validates)."""
+        with self._lock:
+            self.got += got
+            if error is not None and shard < self._error_shard:
+                self.error, self._error_shard = error, shard
+            self._remaining -= 1
+            return self._remaining == 0
 
 
 class _FaultLog:
@@ -957,6 +1080,34 @@ def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
         if views and n:
             views[0] = views[0][n:]
     return total
+
+
+def _pread_range(fd: int, views: list[memoryview], offset: int, direct: _AlignedBuffers | None) -> int:
+    """Fill the consecutive ``views`` from ``fd`` at ``offset`` (the file's bytes ``[offset, offset + total)``);
+    return how many bytes were filled (fewer at EOF). With ``direct`` (``fd`` opened with ``O_DIRECT``) the whole
+    ``DIRECT_ALIGN`` units covering the range are read into this thread's aligned buffer and copied out."""
+    if direct is None:
+        return _preadv_full(fd, views, offset)
+    start = offset - offset % DIRECT_ALIGN
+    total = sum(v.nbytes for v in views)
+    buf = direct.get(_round_up(offset - start + total))
+    done = 0
+    while done < buf.nbytes:
+        n = os.preadv(fd, [buf[done:]], start + done)
+        if n <= 0:
+            break
+        done += n
+        if done % DIRECT_ALIGN:  # a read ending off alignment is the end of the file
+            break
+    got = max(0, min(done - (offset - start), total))
+    pos = offset - start
+    left = got
+    for v in views:
+        n = min(v.nbytes, left)
+        v[:n] = buf[pos : pos + n]
+        pos += n
+        left -= n
+    return got
 
 
 def _touch(fd: int, stat: os.stat_result) -> None:

@@ -138,6 +138,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 lambda cache: detect_layout(vllm_config, self._spec, cache),
                 tp_rank=tp_rank,
                 tp_size=tp_size,
+                layerwise=self._ucm_config.use_layerwise,
             )
 
     # ---------------------------------------------------------------- worker side
@@ -155,14 +156,17 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Blockwise: every layer was loaded in start_load_kv.
-        return None
+        # Layerwise: scatter this layer of the step's load. Blockwise: every layer was loaded in start_load_kv.
+        assert self._worker is not None
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        # Blockwise: all layers are gathered together in wait_for_save.
-        return None
+        # Layerwise: gather this layer of the step's dumps. Blockwise: all layers are gathered in wait_for_save.
+        assert self._worker is not None
+        if self._ucm_config.use_layerwise:
+            self._worker.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

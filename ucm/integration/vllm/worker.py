@@ -1,14 +1,27 @@
-"""Worker side of UCMConnector: moves KV between vLLM's paged cache and the store (blockwise).
+"""Worker side of UCMConnector: moves KV between vLLM's paged cache and the store, blockwise or layerwise.
 
-Per step: ``start_load_kv`` loads every block the scheduler planned, all layers at once, and scatters them into the
-paged KV before the forward pass; ``wait_for_save`` gathers the blocks that became full during the pass into a
-staging buffer and hands it to the store, whose writes finish in the background (the gather is the only part the
-step waits for, so vLLM may reuse the blocks as soon as it returns).
+Blockwise (default), per step: ``start_load_kv`` loads every block the scheduler planned, all layers at once, and
+scatters them into the paged KV before the forward pass; ``wait_for_save`` gathers the blocks that became full
+during the pass into a staging buffer and hands it to the store, whose writes finish in the background (the gather
+is the only part the step waits for, so vLLM may reuse the blocks as soon as it returns).
+
+Layerwise (``use_layerwise: true``), per step:
+- ``start_load_kv`` starts a sharded load (``UcmKVStoreBase.load_sharded``, one shard per layer) and returns at once;
+  ``wait_for_layer_load(layer i)``, called by vLLM just before layer i's attention, waits for shard i of every
+  block and scatters that layer only, while the store is still reading the later layers. Blocks are validated when
+  all their layers are in (the end of the step at the latest, in ``wait_for_save``): a block that then fails
+  (damaged, vanished) was already scattered, so it is reported through ``get_block_ids_with_load_errors`` like
+  any failed load, and vLLM discards the step's output for the requests using it and recomputes them (vLLM's
+  ``kv_load_failure_policy: recompute``, which UCM sets). Wrong KV never reaches an output.
+- ``save_kv_layer(layer i)``, called right after layer i's attention, gathers layer i of the step's newly full
+  blocks into the dump's staging buffer; ``wait_for_save`` gathers any layer not seen and hands the buffer to the
+  store, as blockwise does. The stored bytes are the same in both modes, so either reads what the other wrote.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +29,7 @@ import torch
 from ucm.hashing import rank_keys
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, UCMWorkerMetadata
-from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks
+from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks, scatter_layers
 from ucm.logger import init_logger
 from ucm.sparse import invalidate_blocks
 from ucm.store.base import Task, UcmKVStoreBase
@@ -27,6 +40,30 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+@dataclass
+class _LayerLoad:
+    """A layerwise load of this step: its sharded store task and how far it has been scattered."""
+
+    task: Task
+    keys: list[bytes]
+    block_ids: list[int]
+    ids: torch.Tensor  # int64 [n] block ids on the caches' device
+    staging: torch.Tensor  # [n, num_layers, *shard] CPU, the task's dst
+    started: float  # perf_counter at start
+    next_layer: int = 0  # layers [0, next_layer) are scattered
+
+
+@dataclass
+class _LayerDump:
+    """A layerwise dump of this step: the staging buffer its layers are gathered into."""
+
+    keys: list[bytes]
+    block_ids: list[int]
+    ids: torch.Tensor  # int64 [n] block ids on the caches' device
+    staging: torch.Tensor  # [n, num_layers, *shard] on the caches' device
+    gathered: list[bool]  # per layer
+
+
 class UCMWorker:
     """Loads and dumps canonical blocks for one worker (one TP rank).
 
@@ -35,6 +72,7 @@ class UCMWorker:
         store: the store pipeline.
         layout_fn: detects the paged layout from one layer's KV tensor (``engine_info.detect_layout``).
         tp_rank / tp_size: tensor-parallel rank and size.
+        layerwise: ``use_layerwise``: load and gather layer by layer (see the module docstring).
     """
 
     def __init__(
@@ -44,8 +82,13 @@ class UCMWorker:
         layout_fn: Callable[[torch.Tensor], KVLayout],
         tp_rank: int = 0,
         tp_size: int = 1,
+        layerwise: bool = False,
     ) -> None:
         self._spec = spec
+        self._layerwise = layerwise
+        self._layer_index = {name: i for i, name in enumerate(spec.layer_names)}
+        self._layer_load: _LayerLoad | None = None
+        self._layer_dump: _LayerDump | None = None
         self._store = store
         self._layout_fn = layout_fn
         self._tp_rank, self._tp_size = tp_rank, tp_size
@@ -70,19 +113,20 @@ class UCMWorker:
         self._kv_caches = [kv_caches[name] for name in self._spec.layer_names]
         self._layout = self._layout_fn(self._kv_caches[0])
         logger.info(
-            "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block",
+            "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block, %s transfer",
             len(self._kv_caches),
             self._layout.value,
             self._spec.block_size,
             self._spec.block_nbytes / 2**20,
+            "layerwise" if self._layerwise else "blockwise",
         )
 
-    def _staging(self, n: int) -> torch.Tensor:
-        """A new ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` CPU buffer (dumps: owned by the store
-        until its task is done)."""
+    def _staging(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A new ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` buffer (dumps: owned by the store until
+        its task is done)."""
         s = self._spec
         shape = (n, *canonical_block_shape(len(self._kv_caches), s.block_size, s.num_kv_heads, s.head_dim))
-        return torch.empty(shape, dtype=s.dtype, device="cpu")
+        return torch.empty(shape, dtype=s.dtype, device=device)
 
     def _load_staging(self, n: int) -> torch.Tensor:
         """The first ``n`` blocks of a load buffer kept across steps (loads are synchronous, so it is free again
@@ -107,6 +151,9 @@ class UCMWorker:
         them) and are not written to the paged KV.
         """
         if not meta.loads or self._layout is None:
+            return
+        if self._layerwise:
+            self._start_layer_load(meta)
             return
         keys, block_ids = self._flatten(meta.loads)
         t0 = time.perf_counter()
@@ -146,15 +193,21 @@ class UCMWorker:
         blocks are written through every stage (renamed into place in the Posix directory), so the request's
         response cannot reach the proxy before its KV is visible to other instances."""
         self._reap_dumps(block=False)
+        self._finish_layer_load()
+        layer_dump, self._layer_dump = self._layer_dump, None
         if not meta.dumps or self._layout is None:
             return
-        keys, block_ids = self._flatten(meta.dumps)
-        device = self._kv_caches[0].device
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
-        if device.type == "cpu":
-            staging = gather_blocks(self._kv_caches, ids, self._layout, out=self._staging(len(keys)))
+        if layer_dump is not None:  # layerwise: gather the layers save_kv_layer did not see
+            for layer, done in enumerate(layer_dump.gathered):
+                if not done:
+                    self._gather_layer(layer_dump, layer)
+            keys, block_ids, staging = layer_dump.keys, layer_dump.block_ids, layer_dump.staging.to("cpu")
         else:
-            staging = gather_blocks(self._kv_caches, ids, self._layout).to("cpu")
+            keys, block_ids = self._flatten(meta.dumps)
+            device = self._kv_caches[0].device
+            ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+            staging = gather_blocks(self._kv_caches, ids, self._layout, out=self._staging(len(keys), device))
+            staging = staging.to("cpu")
         rows = staging.view(torch.uint8).view(len(keys), -1)
         ranked = rank_keys(keys, self._tp_rank, self._tp_size)
         logger.debug("dumping %d blocks: vLLM block ids %s", len(keys), block_ids)
@@ -177,6 +230,87 @@ class UCMWorker:
             self._stored_keys.extend(t.keys[: self._store.lookup(ranked[start : start + n])])
             start += n
 
+    # -- layerwise -------------------------------------------------------------------------------------------
+
+    def _start_layer_load(self, meta: UCMConnectorMetadata) -> None:
+        """Start the step's sharded load (one shard per layer); layers are scattered by :meth:`wait_for_layer_load`."""
+        self._finish_layer_load()  # none is left from an earlier step; this only guards against a missed end
+        keys, block_ids = self._flatten(meta.loads)
+        staging = self._load_staging(len(keys))
+        rows = staging.view(torch.uint8).view(len(keys), -1)
+        t0 = time.perf_counter()
+        task = self._store.load_sharded(rank_keys(keys, self._tp_rank, self._tp_size), rows, len(self._kv_caches))
+        device = self._kv_caches[0].device
+        ids = torch.tensor(block_ids, dtype=torch.int64).to(device)
+        self._layer_load = _LayerLoad(task, keys, block_ids, ids, staging, t0)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layerwise: scatter layer ``layer_name`` (and any earlier layer not yet scattered) of the step's load,
+        waiting for its shard of every block. A no-op without a layerwise load in flight or for an unknown layer."""
+        load = self._layer_load
+        layer = self._layer_index.get(layer_name)
+        if load is None or layer is None:
+            return
+        self._scatter_layers(load, layer + 1)
+
+    def _scatter_layers(self, load: _LayerLoad, stop: int) -> None:
+        assert self._layout is not None
+        device = self._kv_caches[0].device
+        while load.next_layer < stop:
+            layer = load.next_layer
+            load.task.wait_shard(layer)
+            shard = load.staging[:, layer][None]
+            scatter_layers(shard.to(device, non_blocking=True), [self._kv_caches[layer]], load.ids, self._layout)
+            load.next_layer += 1
+
+    def _finish_layer_load(self) -> None:
+        """End the step's layerwise load: scatter the layers not done yet, wait for validation, record failures."""
+        load, self._layer_load = self._layer_load, None
+        if load is None:
+            return
+        self._scatter_layers(load, len(self._kv_caches))
+        t_wait = time.perf_counter()
+        result = self._store.wait(load.task)
+        if result.failed:
+            failed_ids = {load.block_ids[i] for i in result.failed}
+            self._load_errors |= failed_ids
+            self._failed_keys.extend(load.keys[i] for i in sorted(result.failed))
+            logger.warning(
+                "%d of %d blocks failed to load (layerwise: found after their layers were used); vLLM discards the "
+                "step's output for their requests and recomputes them",
+                len(failed_ids),
+                len(load.keys),
+            )
+        invalidate_blocks(load.ids.cpu())
+        logger.debug(
+            "layerwise load of %d blocks into vLLM block ids %s: %.1f ms from start to validated, %.1f ms of it "
+            "waited for after the forward pass",
+            len(load.keys),
+            load.block_ids,
+            (time.perf_counter() - load.started) * 1e3,
+            (time.perf_counter() - t_wait) * 1e3,
+        )
+
+    def save_kv_layer(self, layer_name: str, meta: UCMConnectorMetadata) -> None:
+        """Layerwise: gather layer ``layer_name`` of the step's newly full blocks into the dump's staging buffer
+        (right after its attention wrote the layer's KV); :meth:`wait_for_save` hands the buffer to the store.
+        A no-op when blockwise, without dumps, or for an unknown layer."""
+        layer = self._layer_index.get(layer_name)
+        if not self._layerwise or not meta.dumps or self._layout is None or layer is None:
+            return
+        if self._layer_dump is None:
+            keys, block_ids = self._flatten(meta.dumps)
+            device = self._kv_caches[0].device
+            ids = torch.tensor(block_ids, dtype=torch.int64).to(device)
+            staging = self._staging(len(keys), device)
+            self._layer_dump = _LayerDump(keys, block_ids, ids, staging, [False] * len(self._kv_caches))
+        self._gather_layer(self._layer_dump, layer)
+
+    def _gather_layer(self, dump: _LayerDump, layer: int) -> None:
+        assert self._layout is not None
+        gather_blocks([self._kv_caches[layer]], dump.ids, self._layout, out=dump.staging[:, layer : layer + 1])
+        dump.gathered[layer] = True
+
     def _reap_dumps(self, block: bool) -> None:
         still: list[tuple[Task, torch.Tensor, int]] = []
         for task, rows, n in self._pending_dumps:
@@ -198,9 +332,11 @@ class UCMWorker:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (reported once)."""
+        self._finish_layer_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
-        """Wait for in-flight dumps."""
+        """Wait for in-flight loads and dumps."""
+        self._finish_layer_load()
         self._reap_dumps(block=True)
