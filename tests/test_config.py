@@ -238,10 +238,9 @@ def test_posix_io_engine_psync_or_aio() -> None:
     assert "'psync'" in msg and "'aio'" in msg
 
 
-def test_posix_io_engine_aio_refuses_io_direct() -> None:
-    msg = config_error(store_cfg(posix_io_engine="aio", io_direct=True))
-    assert "posix_io_engine: aio" in msg and "io_direct: true" in msg
-    assert "allowed: io_direct: false with aio, or posix_io_engine: psync with io_direct: true" in msg
+def test_posix_io_engine_aio_with_io_direct_accepted() -> None:
+    store = config_from_extra_config(store_cfg(posix_io_engine="aio", io_direct=True)).store
+    assert store.posix_io_engine == "aio" and store.io_direct is True
 
 
 @pytest.mark.parametrize(

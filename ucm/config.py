@@ -70,8 +70,8 @@ class UcmPipelineStoreConfig(_Strict):
     posix_io_engine: Literal["psync", "aio"] = Field(
         "psync",
         description="Posix stage: I/O engine; 'psync' = thread pool of positional reads/writes, 'aio' = io_uring "
-        "readv/writev with many blocks in flight (liburing; buffered I/O only; refused at start where io_uring is "
-        "not usable).",
+        "readv/writev with many blocks in flight (liburing; buffered, or O_DIRECT with io_direct; refused at start "
+        "where io_uring is not usable).",
     )
     posix_io_threads: int = Field(8, ge=1, le=256, description="Posix stage: I/O threads per process.")
     posix_capacity_gb: float | None = Field(
@@ -152,15 +152,6 @@ class UcmPipelineStoreConfig(_Strict):
                 f"{self.compress_mode!r}; allowed: compress_ratio: {COMPRESS_RATIO_OFF} (the default) with "
                 f"compress_mode: {self.compress_mode}, or compress_mode: fixed_rate with compress_ratio in "
                 f"{list(FIXED_RATE_RATIOS)} to accept lossy KV"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _aio_is_buffered(self) -> UcmPipelineStoreConfig:
-        if self.posix_io_engine == "aio" and self.io_direct:
-            raise ValueError(
-                "posix_io_engine: aio does not support io_direct: true in this version; allowed: io_direct: false "
-                "with aio, or posix_io_engine: psync with io_direct: true"
             )
         return self
 

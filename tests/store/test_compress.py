@@ -76,9 +76,12 @@ def load_all(store: CompressStore | PosixStore, keys: list[bytes], nbytes: int) 
     return dst, set(result.failed)
 
 
-@pytest.fixture(params=[("psync", False), ("psync", True), ("aio", False)], ids=["psync", "psync-direct", "aio"])
+@pytest.fixture(
+    params=[("psync", False), ("psync", True), ("aio", False), ("aio", True)],
+    ids=["psync", "psync-direct", "aio", "aio-direct"],
+)
 def store(root: Path, request: pytest.FixtureRequest) -> Iterator[CompressStore]:
-    """A lossless Compress stage over a Posix stage in each engine and I/O mode (aio: buffered only)."""
+    """A lossless Compress stage over a Posix stage in each engine and I/O mode."""
     io_engine, io_direct = request.param
     s = CompressStore(PosixStore(str(root), io_engine=io_engine, io_direct=io_direct))
     s.set_namespace(TAG, NAMESPACE_INFO)

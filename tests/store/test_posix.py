@@ -18,7 +18,16 @@ import torch
 from tests.store.blocks import make_blocks, make_keys, poisoned
 from ucm.store import posix_uring
 from ucm.store.base import Task, TaskResult
-from ucm.store.posix import FILE_SUFFIX, FORMAT_VERSION, HEADER, HEADER_NBYTES, MAGIC, TMP_SUFFIX, PosixStore
+from ucm.store.posix import (
+    FILE_SUFFIX,
+    FORMAT_VERSION,
+    HEADER,
+    HEADER_NBYTES,
+    MAGIC,
+    TMP_SUFFIX,
+    PosixStore,
+    block_file_path,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_NBYTES = [1, 1000, 4099]  # odd sizes: nothing assumes a power of two
@@ -28,11 +37,12 @@ def all_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
 
-# (io_engine, io_direct): every engine and I/O mode the store supports (aio is buffered only).
-STORE_MODES = [("psync", False), ("psync", True), ("aio", False)]
+# (io_engine, io_direct): every engine and I/O mode the store supports.
+STORE_MODES = [("psync", False), ("psync", True), ("aio", False), ("aio", True)]
+STORE_MODE_IDS = ["psync-buffered", "psync-direct", "aio-buffered", "aio-direct"]
 
 
-@pytest.fixture(params=STORE_MODES, ids=["psync-buffered", "psync-direct", "aio-buffered"])
+@pytest.fixture(params=STORE_MODES, ids=STORE_MODE_IDS)
 def store(tmp_path: Path, request: pytest.FixtureRequest):
     """A store on a temp directory (ext4 here), for each engine and I/O mode."""
     io_engine, io_direct = request.param
@@ -41,10 +51,10 @@ def store(tmp_path: Path, request: pytest.FixtureRequest):
     s.close()
 
 
-@pytest.fixture
-def aio_store(tmp_path: Path):
-    """An io_uring store on a temp directory."""
-    s = PosixStore(str(tmp_path / "kv"), io_engine="aio")
+@pytest.fixture(params=[False, True], ids=["aio-buffered", "aio-direct"])
+def aio_store(tmp_path: Path, request: pytest.FixtureRequest):
+    """An io_uring store on a temp directory, buffered and with O_DIRECT."""
+    s = PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=request.param)
     yield s
     s.close()
 
@@ -430,30 +440,34 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("nbytes", [1, 4052, 4053, 8192, 100_000])
-def test_direct_io_files_are_exact_and_readable_buffered(tmp_path: Path, nbytes: int) -> None:
-    """O_DIRECT writes whole 4 KiB units and truncates the padding: the file is byte-identical to a buffered
-    store's, and either mode reads the other's files."""
+def test_files_identical_across_engines_and_io_modes(tmp_path: Path, nbytes: int) -> None:
+    """Every engine and I/O mode writes the same bytes (O_DIRECT writes whole 4 KiB units and truncates the padding),
+    and every mode reads every other mode's files."""
     keys = make_keys(3, seed=50)
     src = make_blocks(3, nbytes, seed=51)
-    direct, buffered = PosixStore(str(tmp_path / "d"), io_direct=True), PosixStore(str(tmp_path / "b"))
-    try:
-        assert direct.wait(direct.dump(keys, src)).ok and buffered.wait(buffered.dump(keys, src)).ok
+    dirs = {mode: tmp_path / f"{mode[0]}-{int(mode[1])}" for mode in STORE_MODES}
+    for (io_engine, io_direct), d in dirs.items():
+        writer = PosixStore(str(d), io_engine=io_engine, io_direct=io_direct)
+        assert writer.wait(writer.dump(keys, src)).ok
+        writer.close()
+    reference = dirs[("psync", False)]
+    for d in dirs.values():
         for k in keys:
-            assert Path(direct.block_path(k)).read_bytes() == Path(buffered.block_path(k)).read_bytes()
-        for reader_dir, io_direct in (("d", False), ("b", True)):
-            reader = PosixStore(str(tmp_path / reader_dir), io_direct=io_direct)
+            name = Path(block_file_path([str(d)], k)).relative_to(d)
+            assert (d / name).read_bytes() == (reference / name).read_bytes()
+    for io_engine, io_direct in STORE_MODES:
+        for d in dirs.values():
+            reader = PosixStore(str(d), io_engine=io_engine, io_direct=io_direct)
             dst = poisoned(3, nbytes)
-            assert reader.wait(reader.load(keys, dst)).ok and torch.equal(dst, src)
+            assert reader.wait(reader.load(keys, dst)).ok and torch.equal(dst, src), (io_engine, io_direct, d.name)
             reader.close()
-    finally:
-        direct.close()
-        buffered.close()
 
 
-def test_direct_io_refused_names_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("io_engine", ["psync", "aio"])
+def test_direct_io_refused_names_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_engine) -> None:
     """A filesystem refusing O_DIRECT (EINVAL at open, as older tmpfs and some FUSE mounts do) stops start-up with
-    an error naming the directory. Injected: every filesystem on this machine (ext4, tmpfs on Linux 6.18) accepts
-    O_DIRECT."""
+    an error naming the directory, for either engine, leaving nothing running. Injected: every filesystem on this
+    machine (ext4, tmpfs on Linux 6.18) accepts O_DIRECT."""
     import errno
 
     from ucm.store import posix
@@ -467,9 +481,11 @@ def test_direct_io_refused_names_the_directory(tmp_path: Path, monkeypatch: pyte
 
     monkeypatch.setattr(posix.os, "open", no_direct)
     target = tmp_path / "kv"
+    before = set(threading.enumerate())
     with pytest.raises(ValueError, match=r"refuses O_DIRECT I/O \(io_direct: true\): Invalid argument"):
-        PosixStore(str(target), io_direct=True)
+        PosixStore(str(target), io_direct=True, io_engine=io_engine)
     assert not list(target.iterdir())  # no probe file left
+    assert set(threading.enumerate()) == before  # no io_uring reaper or pool started
 
 
 # -- aio engine (io_uring) ----------------------------------------------------------------------------------------
@@ -499,9 +515,7 @@ def test_aio_refused_without_liburing(tmp_path: Path, monkeypatch: pytest.Monkey
         PosixStore(str(tmp_path / "kv"), io_engine="aio")
 
 
-def test_aio_refuses_io_direct_and_unknown_engines(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="allowed: io_direct: false with aio, or posix_io_engine: psync"):
-        PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=True)
+def test_unknown_engine_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'psync' or 'aio', got 'libaio'"):
         PosixStore(str(tmp_path / "kv"), io_engine="libaio")  # type: ignore[arg-type]
 
@@ -571,10 +585,12 @@ def test_write_past_file_size_limit_fails(store: PosixStore, tmp_path: Path, lim
     assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
 
 
-def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("io_direct", [False, True], ids=["aio-buffered", "aio-direct"])
+def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_direct: bool) -> None:
     """close() right after a dump of 256 blocks: the first completion is held until close has begun, so operations
-    are in flight when it does; close drains them (every key stored), stops the reaper and exits the ring."""
-    store = PosixStore(str(tmp_path / "kv"), io_engine="aio")
+    are in flight when it does; close drains them (every key stored, every O_DIRECT buffer given back), stops the
+    reaper and exits the ring."""
+    store = PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=io_direct)
     uring = store._uring
     assert uring is not None
     real = store._dump_complete
@@ -597,13 +613,77 @@ def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest
     assert task.done() and task.result() == TaskResult(256)
     assert not uring._reaper.is_alive()
     assert not [t for t in threading.enumerate() if t.name.startswith("ucm-posix") and t.is_alive()]
+    if io_direct:
+        assert store._direct_pool is not None and store._direct_pool.held_bytes == 0
+    assert {p.stat().st_size for p in all_files(tmp_path / "kv")} == {HEADER_NBYTES + 5_000}
     reader = PosixStore(str(tmp_path / "kv"))
     dst = poisoned(256, 5_000)
     assert reader.wait(reader.load(keys, dst)).ok and torch.equal(dst, src)
     reader.close()
 
 
-def test_pipeline_builds_aio_store(tmp_path: Path) -> None:
+def test_aio_direct_opens_block_files_with_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """aio + io_direct: the temp file written and the block file read are opened with O_DIRECT (the io_uring
+    operations then move aligned buffers: a misaligned one fails with EINVAL, which the round trip rules out)."""
+    from ucm.store import posix
+
+    store = PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=True)
+    real_open = os.open
+    opened: list[tuple[str, int]] = []
+
+    def recording_open(path, flags, *args, **kwargs):
+        opened.append((os.fspath(path), flags))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(posix.os, "open", recording_open)
+    keys = make_keys(4, seed=70)
+    src = make_blocks(4, 4099, seed=71)
+    assert store.wait(store.dump(keys, src)).ok
+    dst = poisoned(4, 4099)
+    assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
+    monkeypatch.setattr(posix.os, "open", real_open)
+    store.close()
+    temps = [flags for path, flags in opened if path.endswith(TMP_SUFFIX)]
+    blocks = [flags for path, flags in opened if path.endswith(FILE_SUFFIX)]
+    assert len(temps) == 4 and len(blocks) == 4
+    assert all(flags & os.O_DIRECT for flags in temps + blocks)
+
+
+@pytest.mark.parametrize("nbytes", [4099, 100_000], ids=["nbytes4099", "nbytes100000_over_the_bound"])
+def test_aio_direct_buffers_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """The aligned buffers held by operations in flight stay within AIO_DIRECT_BUFFER_BYTES (here 3 buffers of
+    4099 + 44 bytes rounded up to 8 KiB; a block larger than the bound moves alone) and all come back; 200 blocks
+    still round-trip."""
+    from ucm.store import posix
+
+    bound = 3 * 8192
+    monkeypatch.setattr(posix, "AIO_DIRECT_BUFFER_BYTES", bound)
+    store = PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=True, io_threads=8)
+    pool = store._direct_pool
+    assert pool is not None
+    real_acquire = pool.acquire
+    peak = {"bytes": 0, "buffers": 0}
+
+    def acquire(n: int) -> memoryview:
+        buf = real_acquire(n)
+        peak["bytes"] = max(peak["bytes"], pool.held_bytes)
+        peak["buffers"] += 1
+        return buf
+
+    monkeypatch.setattr(pool, "acquire", acquire)
+    keys = make_keys(200, seed=72)
+    src = make_blocks(200, nbytes, seed=73)
+    assert store.wait(store.dump(keys, src)).ok
+    dst = poisoned(200, nbytes)
+    assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
+    assert peak["buffers"] == 400
+    assert 0 < peak["bytes"] <= max(bound, posix._round_up(HEADER_NBYTES + nbytes))
+    assert pool.held_bytes == 0
+    store.close()
+
+
+@pytest.mark.parametrize("io_direct", [False, True], ids=["aio-buffered", "aio-direct"])
+def test_pipeline_builds_aio_store(tmp_path: Path, io_direct: bool) -> None:
     from ucm.config import config_from_extra_config
     from ucm.store.pipeline import build_store
 
@@ -614,12 +694,14 @@ def test_pipeline_builds_aio_store(tmp_path: Path) -> None:
                     "store_pipeline": "Posix",
                     "storage_backends": str(tmp_path),
                     "posix_io_engine": "aio",
+                    "io_direct": io_direct,
                 }
             }
         ]
     }
     store = build_store(config_from_extra_config(extra).store)
     assert isinstance(store, PosixStore) and store._uring is not None
+    assert (store._direct_pool is not None) == io_direct
     keys = make_keys(3, seed=66)
     src = make_blocks(3, 4099, seed=67)
     assert store.wait(store.dump(keys, src)).ok

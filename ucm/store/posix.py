@@ -115,6 +115,9 @@ DIR_MODE = 0o700
 GC_LOW_WATERMARK = 0.9  # a collection removes blocks down to this fraction of the capacity
 DEFAULT_GC_INTERVAL_S = 30.0
 DIRECT_ALIGN = 4096  # O_DIRECT: buffers, offsets and lengths in multiples of this (covers 512 B and 4 KiB sectors)
+# aio + O_DIRECT: most bytes of aligned buffers held by operations in flight (16 blocks of 16 MiB; the io_uring's depth
+# bounds small blocks first). psync + O_DIRECT holds one buffer per I/O thread instead.
+AIO_DIRECT_BUFFER_BYTES = 256 << 20
 # magic, version, codec, namespace tag, payload nbytes, key, checksum
 HEADER = struct.Struct("<4sHHIQ16sQ")
 HEADER_NBYTES = HEADER.size  # 44
@@ -214,12 +217,15 @@ class PosixStore(UcmKVStoreBase):
         tmp_age_s: temp files older than this (seconds, mtime) are removed at start as left by killed writers.
         gc_interval_s: with a capacity, how often (seconds) the directories are re-scanned while this process
             writes.
-        io_direct: read and write block files with ``O_DIRECT`` (bypassing the page cache) through per-thread
-            page-aligned buffers; files keep their exact size (the padded last unit is truncated away). Checked at
-            start on every directory.
+        io_direct: read and write block files with ``O_DIRECT`` (bypassing the page cache) through page-aligned
+            buffers, in whole ``DIRECT_ALIGN`` (4 KiB) units; files keep their exact size (the padded last unit is
+            truncated away), byte-identical to buffered ones. ``psync``: one buffer per pool thread; ``aio``: one
+            buffer per operation in flight, at most ``AIO_DIRECT_BUFFER_BYTES`` (256 MiB) of them at once. Checked
+            at start on every directory.
         io_engine: ``"psync"``: the pool threads read and write with positional syscalls (``preadv``/``write``);
             ``"aio"``: block data moves through io_uring ``readv``/``writev`` with many blocks in flight (needs the
-            ``liburing`` package and a kernel allowing io_uring; buffered I/O only).
+            ``liburing`` package and a kernel allowing io_uring), buffered or with ``io_direct``. Encoded blocks
+            (:meth:`load_encoded`) are read on the pool threads with either engine.
         require_writable: refuse directories this process cannot write to (default). With ``False`` (a
             ``kv_consumer``, which only loads) a read-only directory (read-only mount or permissions) is accepted
             and only read: no namespace file, no temp clean-up or garbage collection there, and a damaged block in
@@ -229,7 +235,7 @@ class PosixStore(UcmKVStoreBase):
         ValueError: ``storage_backends`` is empty or has an empty entry; a path exists but is not a directory,
             cannot be created, or is not writable; ``io_threads`` < 1; ``capacity_bytes`` <= 0; ``tmp_age_s`` or
             ``gc_interval_s`` <= 0; ``io_direct`` and a directory's filesystem refuses ``O_DIRECT``; an unknown
-            ``io_engine``, ``aio`` with ``io_direct``, or ``aio`` where io_uring is not usable (no silent fallback).
+            ``io_engine``, or ``aio`` where io_uring is not usable (no silent fallback).
     """
 
     def __init__(
@@ -252,11 +258,6 @@ class PosixStore(UcmKVStoreBase):
             raise ValueError(f"tmp_age_s and gc_interval_s must be > 0, got {tmp_age_s} and {gc_interval_s}")
         if io_engine not in ("psync", "aio"):
             raise ValueError(f"posix_io_engine must be 'psync' or 'aio', got {io_engine!r}")
-        if io_engine == "aio" and io_direct:
-            raise ValueError(
-                "posix_io_engine: aio does not support io_direct: true in this version; allowed: io_direct: false "
-                "with aio, or posix_io_engine: psync with io_direct: true"
-            )
         self._dirs = _split_backends(storage_backends)
         self._read_only_dirs = {d for d in self._dirs if not _prepare_dir(d, require_writable)}
         for d in sorted(self._read_only_dirs):
@@ -273,6 +274,10 @@ class PosixStore(UcmKVStoreBase):
             self._direct = _AlignedBuffers()
         # Last of the checks that may refuse the start: nothing is left running when it raises.
         self._uring: Uring | None = Uring() if io_engine == "aio" else None
+        # aio + O_DIRECT: aligned buffers owned per operation (filled on a pool thread, released on the reaper).
+        self._direct_pool: _DirectBufferPool | None = None
+        if self._uring is not None and io_direct:
+            self._direct_pool = _DirectBufferPool(AIO_DIRECT_BUFFER_BYTES)
         self._capacity = capacity_bytes
         self._tmp_age_s = tmp_age_s
         self._gc_interval_s = gc_interval_s
@@ -690,41 +695,66 @@ class PosixStore(UcmKVStoreBase):
 
     def _dump_start(self, key: bytes, payload: memoryview, done: Future[bool], codec: int = CODEC_RAW) -> None:
         """aio dump, on a pool thread: create the temp file and queue header + payload as one ``writev``; the
-        reaper finishes in :meth:`_dump_complete`."""
+        reaper finishes in :meth:`_dump_complete`. With ``io_direct`` the temp file is opened with ``O_DIRECT`` and
+        the ``writev`` moves one aligned buffer of the operation's own (header, payload, zeros up to whole
+        ``DIRECT_ALIGN`` units), given back at completion; :meth:`_dump_complete` truncates the padding away."""
         assert self._uring is not None
         prepared = self._dump_prepare(key, payload, codec)
         if prepared is None:
             done.set_result(True)
             return
         path, tmp, header, payload = prepared
+        pool = self._direct_pool
         fd = -1
         try:
             self._dump_dirs_ready(key, os.path.dirname(path))
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            direct = os.O_DIRECT if pool is not None else 0
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | direct, FILE_MODE)
         except OSError as exc:
             done.set_result(self._dump_failed(key, path, tmp, fd, exc))
             return
         total = HEADER_NBYTES + payload.nbytes
-        bufs = [memoryview(header), payload] if payload.nbytes else [memoryview(header)]
-
-        def complete(res: int) -> None:
-            done.set_result(self._dump_complete(key, path, tmp, fd, total, res))
-
+        aligned: memoryview | None = None
         try:
+            if pool is None:
+                bufs = [memoryview(header), payload] if payload.nbytes else [memoryview(header)]
+            else:
+                aligned = pool.acquire(total)
+                _fill_aligned(aligned, header, payload)
+                bufs = [aligned]
+            written = sum(b.nbytes for b in bufs)
+
+            def complete(res: int) -> None:
+                try:
+                    ok = self._dump_complete(key, path, tmp, fd, total, res, written)
+                finally:
+                    if aligned is not None and pool is not None:
+                        pool.release(aligned)
+                done.set_result(ok)
+
             self._uring.submit(fd, bufs, 0, True, complete)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if aligned is not None and pool is not None:
+                pool.release(aligned)
             raise
 
-    def _dump_complete(self, key: bytes, path: str, tmp: str, fd: int, total: int, res: int) -> bool:
-        """aio dump, on the reaper: ``res`` is the ``writev`` result; a short write or an error fails the key."""
+    def _dump_complete(
+        self, key: bytes, path: str, tmp: str, fd: int, total: int, res: int, written: int | None = None
+    ) -> bool:
+        """aio dump, on the reaper: ``res`` is the ``writev`` result of ``written`` bytes (default ``total``, the
+        file's size; with ``O_DIRECT``, ``total`` rounded up to whole ``DIRECT_ALIGN`` units, whose padding is then
+        truncated away). A short write or an error fails the key."""
+        submitted = total if written is None else written
         try:
             if res < 0:
                 raise OSError(-res, os.strerror(-res))
-            if res != total:
-                raise OSError(errno.EIO, f"short write: {res} of {total} bytes")
+            if res != submitted:
+                raise OSError(errno.EIO, f"short write: {res} of {submitted} bytes")
+            if submitted != total:
+                os.ftruncate(fd, total)
             os.close(fd)
             fd = -1
             os.replace(tmp, path)
@@ -818,41 +848,71 @@ class PosixStore(UcmKVStoreBase):
 
     def _load_start(self, key: bytes, row: torch.Tensor, done: Future[bool]) -> None:
         """aio load, on a pool thread: open the file and queue one ``readv`` of header + payload (header only when
-        the size is wrong, to tell a foreign file from a damaged one); the reaper finishes in :meth:`_load_complete`."""
+        the size is wrong, to tell a foreign file from a damaged one); the reaper finishes in :meth:`_load_complete`.
+        With ``io_direct`` the file is opened with ``O_DIRECT`` and read in whole ``DIRECT_ALIGN`` units into an
+        aligned buffer of the operation's own, given back at completion once the payload is validated and copied out.
+        """
         assert self._uring is not None
         path = self.block_path(key)
         payload = row.numpy().data.cast("B")
+        pool = self._direct_pool
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if pool is not None else 0))
         except OSError as exc:
             done.set_result(self._load_outcome(key, path, exc, None))
             return
+        aligned: memoryview | None = None
         try:
             stat = os.fstat(fd)
-            header = memoryview(bytearray(HEADER_NBYTES))
-            full = stat.st_size == HEADER_NBYTES + payload.nbytes and payload.nbytes > 0
-            bufs = [header, payload] if full else [header]
+            expected = HEADER_NBYTES + payload.nbytes
+            if pool is None:
+                header = memoryview(bytearray(HEADER_NBYTES))
+                full = stat.st_size == expected and payload.nbytes > 0
+                bufs = [header, payload] if full else [header]
+            else:  # as _read_validated: the whole file when it has the expected size, else the header's unit
+                aligned = pool.acquire(expected if stat.st_size == expected else HEADER_NBYTES)
+                header = aligned[:HEADER_NBYTES]
+                bufs = [aligned]
 
             def complete(res: int) -> None:
-                done.set_result(self._load_complete(key, path, fd, stat, header, payload, res))
+                try:
+                    ok = self._load_complete(key, path, fd, stat, header, payload, res, aligned)
+                finally:
+                    if aligned is not None and pool is not None:
+                        pool.release(aligned)
+                done.set_result(ok)
 
             self._uring.submit(fd, bufs, 0, False, complete)
         except OSError as exc:
             os.close(fd)
+            if aligned is not None and pool is not None:
+                pool.release(aligned)
             done.set_result(self._load_outcome(key, path, exc, None))
         except BaseException:
             os.close(fd)
+            if aligned is not None and pool is not None:
+                pool.release(aligned)
             raise
 
     def _load_complete(
-        self, key: bytes, path: str, fd: int, stat: os.stat_result, header: memoryview, payload: memoryview, res: int
+        self,
+        key: bytes,
+        path: str,
+        fd: int,
+        stat: os.stat_result,
+        header: memoryview,
+        payload: memoryview,
+        res: int,
+        aligned: memoryview | None = None,
     ) -> bool:
-        """aio load, on the reaper: ``res`` is the ``readv`` result (a short read is a file that shrank)."""
+        """aio load, on the reaper: ``res`` is the ``readv`` result (a short read is a file that shrank). With
+        ``aligned`` (an ``O_DIRECT`` read into that buffer, ``header`` its first bytes) the payload is copied from it
+        into ``payload`` once the header checks pass (see :func:`_check_block`)."""
         reason: str | OSError | None
         try:
             if res < 0:
                 raise OSError(-res, os.strerror(-res))
-            reason = _check_block(key, payload, stat.st_size, res, header)
+            reason = _check_block(key, payload, stat.st_size, res, header, aligned)
             if reason is None:
                 _touch(fd, stat)
         except OSError as exc:
@@ -1217,6 +1277,75 @@ class _AlignedBuffers:
             self._local.view = memoryview(mm)
         view: memoryview = self._local.view
         return view[:nbytes]
+
+
+class _DirectBufferPool:
+    """Page-aligned buffers for ``aio`` + ``O_DIRECT`` operations, owned per operation: a pool thread takes one
+    with :meth:`acquire` before queuing the operation, the reaper gives it back with :meth:`release` at its
+    completion (a per-thread buffer cannot do: the thread that fills it is not the one that finishes with it).
+
+    At most ``max_bytes`` of buffers are held by operations at once: :meth:`acquire` waits beyond that, except when
+    no buffer is held (so a block larger than the bound still moves, one at a time). Released buffers are kept for
+    reuse (anonymous ``mmap``s, which are costly to map and fault in anew) as long as held plus kept stay within
+    ``max_bytes``; a buffer of another size evicts kept ones (the old map is freed with its last view).
+
+    Raises:
+        ValueError: ``max_bytes`` < ``DIRECT_ALIGN``.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < DIRECT_ALIGN:
+            raise ValueError(f"the O_DIRECT buffer bound must be >= {DIRECT_ALIGN} bytes, got {max_bytes}")
+        self._max_bytes = max_bytes
+        self._cond = threading.Condition()
+        self._free: dict[int, list[memoryview]] = {}  # kept buffers by size (bytes, a multiple of DIRECT_ALIGN)
+        self._free_bytes = 0
+        self._held_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffers acquired and not released yet."""
+        with self._cond:
+            return self._held_bytes
+
+    def acquire(self, nbytes: int) -> memoryview:
+        """A writable ``DIRECT_ALIGN``-aligned buffer of ``nbytes`` rounded up to ``DIRECT_ALIGN`` bytes (its
+        content is unspecified); waits while held buffers would exceed the bound. Give it back with :meth:`release`.
+        """
+        size = _round_up(max(nbytes, 1))
+        with self._cond:
+            while self._held_bytes and self._held_bytes + size > self._max_bytes:
+                self._cond.wait()
+            self._held_bytes += size
+            kept = self._free.get(size)
+            if kept:
+                self._free_bytes -= size
+                return kept.pop()
+            # Make room for a new map: drop kept buffers (largest sizes first) beyond the bound.
+            for other in sorted(self._free, reverse=True):
+                stack = self._free[other]
+                while stack and self._held_bytes + self._free_bytes > self._max_bytes:
+                    stack.pop()
+                    self._free_bytes -= other
+        return memoryview(mmap.mmap(-1, size))
+
+    def release(self, buf: memoryview) -> None:
+        """Give back a buffer from :meth:`acquire` (whole, as returned); no view of it may be used afterwards."""
+        size = buf.nbytes
+        with self._cond:
+            self._held_bytes -= size
+            if self._held_bytes + self._free_bytes + size <= self._max_bytes:
+                self._free.setdefault(size, []).append(buf)
+                self._free_bytes += size
+            self._cond.notify_all()
+
+
+def _fill_aligned(buf: memoryview, header: bytes, payload: memoryview) -> None:
+    """Lay out a block file for one ``O_DIRECT`` write: ``header``, ``payload``, then zeros to the end of ``buf``."""
+    total = HEADER_NBYTES + payload.nbytes
+    buf[:HEADER_NBYTES] = header
+    buf[HEADER_NBYTES:total] = payload
+    buf[total:] = bytes(buf.nbytes - total)
 
 
 def _check_direct_io(path: str) -> None:
