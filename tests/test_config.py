@@ -323,11 +323,11 @@ def test_top_level_list(tmp_path: Path) -> None:
 
 
 def test_file_errors_name_the_file(tmp_path: Path) -> None:
-    path = write_yaml(tmp_path, "use_layerwise: true\n")
+    path = write_yaml(tmp_path, "enable_record_traces: true\n")
     with pytest.raises(UcmConfigError) as info:
         load_config_file(path)
     assert str(path) in str(info.value)
-    assert "use_layerwise" in str(info.value)
+    assert "enable_record_traces" in str(info.value)
 
 
 # -- kv_connector_extra_config ---------------------------------------------------------------------------------------

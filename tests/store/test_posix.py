@@ -185,15 +185,17 @@ DAMAGES = {
 }
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["load", "load_sharded"])
 @pytest.mark.parametrize("damage", list(DAMAGES.values()), ids=list(DAMAGES))
-def test_damaged_file_is_a_failed_key(store: PosixStore, damage, ucm_log) -> None:
+def test_damaged_file_is_a_failed_key(store: PosixStore, damage, sharded: bool, ucm_log) -> None:
     keys = make_keys(3, seed=9)
-    src = make_blocks(3, 257, seed=10)
+    src = make_blocks(3, 258, seed=10)
     assert store.wait(store.dump(keys, src)).ok
     path = Path(store.block_path(keys[1]))
     damage(path)
-    dst = poisoned(3, 257)
-    result = store.wait(store.load(keys, dst))
+    dst = poisoned(3, 258)
+    # load_sharded reads 3 ranges of 86 bytes per block (a layerwise load) and validates the whole block at the end.
+    result = store.wait(store.load_sharded(keys, dst, 3) if sharded else store.load(keys, dst))
     assert result.failed == {1}
     assert torch.equal(dst[0], src[0]) and torch.equal(dst[2], src[2])
     warnings = [r for r in ucm_log.records if r.levelno == logging.WARNING]
@@ -204,7 +206,7 @@ def test_damaged_file_is_a_failed_key(store: PosixStore, damage, ucm_log) -> Non
     if not kept:
         assert store.lookup(keys) == 1
         assert store.wait(store.dump(keys, src)).ok  # the recomputed block is stored again
-        dst = poisoned(3, 257)
+        dst = poisoned(3, 258)
         assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
 
 
@@ -600,6 +602,10 @@ def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest
         if in_flight_at_close["n"] < 0:
             deadline = time.monotonic() + 30
             while not store._closed and time.monotonic() < deadline:
+                time.sleep(0.001)
+            # close has begun; the pool threads are still queuing the other blocks: let a second one get queued
+            # (on a loaded machine they may not have submitted any yet when close starts).
+            while not uring._ops and time.monotonic() < deadline:
                 time.sleep(0.001)
             in_flight_at_close["n"] = len(uring._ops) + 1  # this one included
         return real(*args)

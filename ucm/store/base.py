@@ -211,8 +211,17 @@ def report_whole(task: Task, progress: ShardProgress | None, num_rows: int) -> T
     the whole task)."""
     if progress is None:
         return task
-    task.add_done_callback(lambda _t: progress.done_all(num_rows))
-    return Task(task._future, progress)
+    outer: Future[TaskResult] = Future()
+
+    def finish(done: Task) -> None:  # report the shards first: whoever sees the result sees them ready
+        progress.done_all(num_rows)
+        try:
+            outer.set_result(done.result())
+        except BaseException as exc:
+            outer.set_exception(exc)
+
+    task.add_done_callback(finish)
+    return Task(outer, progress)
 
 
 def tiered_lookup(keys: Sequence[bytes], present: Callable[[bytes], bool], below: UcmKVStoreBase | None) -> int:

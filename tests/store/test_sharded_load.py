@@ -1,0 +1,177 @@
+"""Sharded loads (``load_sharded``, the layerwise load's store verb) on real temp directories.
+
+Checked: every engine and I/O mode returns the dumped bytes shard by shard; shard 0 is handed out while later
+shards are still being read (the point of layerwise loading); validation still runs on the whole block, so a damaged
+block is reported failed even after its shards were handed out; the Cache stage serves hits whole and reads misses
+through with the same progress; stages without shard reads (Compress) fall back to whole blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.store.blocks import make_blocks, make_keys, poisoned
+from tests.store.test_posix import STORE_MODE_IDS, STORE_MODES
+from ucm.store.base import ShardProgress, TaskResult
+from ucm.store.cache import CacheStore
+from ucm.store.compress import CompressStore
+from ucm.store.posix import HEADER_NBYTES, PosixStore
+
+SHARDS = 6
+SHARD_NBYTES = 4099  # odd: shard ranges straddle O_DIRECT's 4 KiB units
+NBYTES = SHARDS * SHARD_NBYTES
+
+
+@pytest.fixture(params=STORE_MODES, ids=STORE_MODE_IDS)
+def posix(tmp_path: Path, request: pytest.FixtureRequest):
+    io_engine, io_direct = request.param
+    s = PosixStore(str(tmp_path / "kv"), io_direct=io_direct, io_engine=io_engine)
+    yield s
+    s.close()
+
+
+def _shard(t: torch.Tensor, s: int) -> torch.Tensor:
+    return t[:, s * SHARD_NBYTES : (s + 1) * SHARD_NBYTES]
+
+
+class _HeldShards:
+    """Holds every read of shard >= 1 of a PosixStore until :meth:`release` (ordering control: a slow disk)."""
+
+    def __init__(self, store: PosixStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate = threading.Event()
+        real = store._read_shard
+
+        def held(read, shard, shard_nbytes):  # type: ignore[no-untyped-def]
+            if shard >= 1:
+                self.gate.wait(30)
+            return real(read, shard, shard_nbytes)
+
+        monkeypatch.setattr(store, "_read_shard", held)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_round_trip_shard_by_shard(posix: PosixStore) -> None:
+    keys = make_keys(20, seed=1)
+    src = make_blocks(20, NBYTES, seed=2)
+    assert posix.wait(posix.dump(keys, src)).ok
+    dst = poisoned(20, NBYTES)
+    task = posix.load_sharded(keys, dst, SHARDS)
+    for s in range(SHARDS):
+        task.wait_shard(s)
+        assert torch.equal(_shard(dst, s), _shard(src, s)), s
+    assert task.result() == TaskResult(20)
+    assert torch.equal(dst, src)
+
+
+def test_shard_zero_is_handed_out_while_later_shards_are_read(posix: PosixStore, monkeypatch) -> None:
+    keys = make_keys(4, seed=3)
+    src = make_blocks(4, NBYTES, seed=4)
+    assert posix.wait(posix.dump(keys, src)).ok
+    held = _HeldShards(posix, monkeypatch)
+    dst = poisoned(4, NBYTES)
+    task = posix.load_sharded(keys, dst, SHARDS)
+    task.wait_shard(0)
+    assert torch.equal(_shard(dst, 0), _shard(src, 0))
+    assert not task.done()  # shards 1.. are still held
+    held.release()
+    assert posix.wait(task).ok and torch.equal(dst, src)
+
+
+def test_damaged_block_fails_after_its_shards_were_handed_out(posix: PosixStore) -> None:
+    keys = make_keys(3, seed=5)
+    src = make_blocks(3, NBYTES, seed=6)
+    assert posix.wait(posix.dump(keys, src)).ok
+    path = Path(posix.block_path(keys[1]))
+    data = bytearray(path.read_bytes())
+    data[HEADER_NBYTES + NBYTES - 1] ^= 0x01  # last shard's last byte: only the whole-block checksum sees it
+    path.write_bytes(bytes(data))
+    dst = poisoned(3, NBYTES)
+    task = posix.load_sharded(keys, dst, SHARDS)
+    for s in range(SHARDS):
+        task.wait_shard(s)  # every shard is handed out, the damaged row's too
+    assert task.result().failed == {1}
+    assert torch.equal(dst[0], src[0]) and torch.equal(dst[2], src[2])
+    assert not path.exists()  # removed as damaged, as a plain load does
+
+
+def test_missing_and_truncated_blocks_fail_without_hanging(posix: PosixStore) -> None:
+    keys = make_keys(4, seed=7)
+    src = make_blocks(4, NBYTES, seed=8)
+    assert posix.wait(posix.dump(keys[:3], src[:3])).ok  # keys[3] never stored
+    path = Path(posix.block_path(keys[0]))
+    path.write_bytes(path.read_bytes()[: HEADER_NBYTES + 2 * SHARD_NBYTES])  # shards 2.. gone
+    dst = poisoned(4, NBYTES)
+    assert posix.wait(posix.load_sharded(keys, dst, SHARDS)).failed == {0, 3}
+    assert torch.equal(dst[1:3], src[1:3])
+
+
+def test_bad_shard_arguments(posix: PosixStore) -> None:
+    keys = make_keys(1, seed=9)
+    with pytest.raises(ValueError, match=r"num_shards must be an int >= 1 dividing the row size 24594 bytes, got 7"):
+        posix.load_sharded(keys, poisoned(1, NBYTES), 7)
+    with pytest.raises(ValueError, match="got 0"):
+        posix.load_sharded(keys, poisoned(1, NBYTES), 0)
+    posix.wait(posix.dump(keys, make_blocks(1, NBYTES, seed=10)))
+    task = posix.load_sharded(keys, poisoned(1, NBYTES), SHARDS)
+    with pytest.raises(IndexError, match=r"shard 6 out of range \[0, 6\)"):
+        task.wait_shard(SHARDS)
+    assert posix.wait(task).ok
+
+
+def test_cache_serves_hits_whole_and_reads_misses_through(tmp_path: Path, monkeypatch) -> None:
+    posix = PosixStore(str(tmp_path / "kv"))
+    cache = CacheStore(posix, capacity_bytes=64 * NBYTES)
+    keys = make_keys(6, seed=11)
+    src = make_blocks(6, NBYTES, seed=12)
+    assert posix.wait(posix.dump(keys, src)).ok  # on disk only
+    assert cache.wait(cache.dump(keys[:2], src[:2])).ok  # rows 0, 1 also in DRAM
+    held = _HeldShards(posix, monkeypatch)
+    dst = poisoned(7, NBYTES)
+    task = cache.load_sharded([*keys[:3], make_keys(1, seed=99)[0], *keys[3:]], dst, SHARDS)
+    task.wait_shard(0)
+    assert not task.done()
+    assert torch.equal(dst[:2], src[:2])  # hits: whole rows at once
+    assert torch.equal(_shard(dst[[2, 4, 5, 6]], 0), _shard(src[2:], 0))  # misses: shard 0 through from disk
+    held.release()
+    assert cache.wait(task).failed == {3}
+    assert torch.equal(dst[[0, 1, 2, 4, 5, 6]], src)
+    # The misses read from disk were promoted into DRAM (the absent key was not).
+    assert set(cache.cached_keys()) == set(keys)
+    cache.close()
+
+
+def test_cache_without_stage_below_fails_misses(tmp_path: Path) -> None:
+    cache = CacheStore(None, capacity_bytes=8 * NBYTES)
+    keys = make_keys(2, seed=13)
+    src = make_blocks(1, NBYTES, seed=14)
+    assert cache.wait(cache.dump(keys[:1], src)).ok
+    dst = poisoned(2, NBYTES)
+    task = cache.load_sharded(keys, dst, SHARDS)
+    task.wait_shard(SHARDS - 1)
+    assert task.result().failed == {1} and torch.equal(dst[0], src[0])
+    cache.close()
+
+
+def test_stage_without_shard_reads_loads_whole_blocks(tmp_path: Path) -> None:
+    """Compress decodes whole blocks: the base class's load_sharded serves them, every shard ready at the end."""
+    store = CompressStore(PosixStore(str(tmp_path / "kv")))
+    keys = make_keys(3, seed=15)
+    src = make_blocks(3, NBYTES, seed=16)
+    assert store.wait(store.dump(keys, src)).ok
+    dst = poisoned(3, NBYTES)
+    task = store.load_sharded(keys, dst, SHARDS)
+    task.wait_shard(0)
+    assert task.done() and torch.equal(dst, src)
+    # Reporting into a caller's progress (as a stage above does): every shard of its rows, once.
+    progress = ShardProgress(SHARDS, 5)
+    progress.done_all(2)  # the caller's own 2 rows
+    task = store.load_sharded(keys, poisoned(3, NBYTES), SHARDS, progress)
+    assert store.wait(task).ok
+    assert all(progress.ready(s) for s in range(SHARDS))
+    store.close()
