@@ -28,6 +28,9 @@ timed requests ask for 1 token; the same real-text prompt of ``--prompt-tokens``
   cache dropped and a new process running the prompt once (median over restarts); ``compressed_over_uncompressed``
   divides it by ``ucm_storage_hit_ms``. ``store_bytes`` gives both stores' block files (count, mean bytes per file;
   the uncompressed store also holds the multi-turn blocks).
+- ``ucm_layerwise_storage_hit_ms``: the same as ``ucm_storage_hit_ms`` on the same store with ``use_layerwise:
+  true`` (each restart's layerwise process runs right after its blockwise one, page cache dropped before each);
+  ``layerwise_over_blockwise`` divides it by ``ucm_storage_hit_ms`` (the target: <= 1).
 - ``example_connector_restart_ms``: vLLM's built-in ``ExampleConnector`` (safetensors files): one process fills, a
   second process (restart, page cache dropped before it as well) runs the prompt once. An error is recorded as
   text instead of a number.
@@ -132,11 +135,14 @@ def request(prompt: str, max_tokens: int = 1, reset: bool = False) -> dict[str, 
     return {"prompt": prompt, "max_tokens": max_tokens, "reset_prefix_cache": reset}
 
 
-def ucm_connector(store_dir: Path, pipeline: str = "Cache|Posix") -> dict[str, Any]:
-    """kv_transfer_config for UCM ``pipeline`` over ``store_dir`` (inline config)."""
+def ucm_connector(store_dir: Path, pipeline: str = "Cache|Posix", layerwise: bool = False) -> dict[str, Any]:
+    """kv_transfer_config for UCM ``pipeline`` over ``store_dir`` (inline config), blockwise or layerwise."""
     store = {"store_pipeline": pipeline, "storage_backends": str(store_dir)}
     return ucm_transfer_config(
-        {"ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": store}]}
+        {
+            "ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": store}],
+            "use_layerwise": layerwise,
+        }
     )
 
 
@@ -367,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         # 5 + 6 + 7: restarts, page cache dropped before each process starts.
         dropped: list[bool] = []
         ucm_restarts: list[Phase] = []
+        lw_restarts: list[Phase] = []
         ex_restarts: list[Phase] = []
         z_restarts: list[Phase] = []
         for k in range(args.restarts):
@@ -379,6 +386,17 @@ def main(argv: list[str] | None = None) -> int:
                     ucm_connector(ucm_store),
                     True,
                     [request(main_prompt), *([answer, *turns_reset] if first else [])],
+                    log_dir,
+                )
+            )
+            dropped.append(drop_page_cache())
+            lw_restarts.append(
+                run_phase(
+                    f"ucm_layerwise_restart{k}",
+                    model,
+                    ucm_connector(ucm_store, layerwise=True),
+                    True,
+                    [request(main_prompt), *([answer] if first else [])],
                     log_dir,
                 )
             )
@@ -413,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     # ------------------------------------------------------------------------------ numbers and checks
-    all_phases = (recompute, inmem, ucm_fill, ex_fill, zfill, *ucm_restarts, *z_restarts, *ex_restarts)
-    for phase in (recompute, inmem, ucm_fill, zfill, *ucm_restarts, *z_restarts):
+    all_phases = (recompute, inmem, ucm_fill, ex_fill, zfill, *ucm_restarts, *lw_restarts, *z_restarts, *ex_restarts)
+    for phase in (recompute, inmem, ucm_fill, zfill, *ucm_restarts, *lw_restarts, *z_restarts):
         if phase.error:
             problems.append(f"{phase.name} failed: {error_report(phase)}")
     answer_at = 1 + r  # index of the answer request in recompute / inmemory / ucm_fill (warm-up removed)
@@ -429,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     for phase in ucm_restarts:
         if not phase.error:
             expect_hits(phase, [0, 1] if phase is ucm_restarts[0] else [0], "hit after restart", problems)
+    for phase in lw_restarts:
+        if not phase.error:
+            expect_hits(phase, [0, 1] if phase is lw_restarts[0] else [0], "layerwise hit after restart", problems)
     for phase in z_restarts:
         if not phase.error:
             expect_hits(phase, [0, 1] if phase is z_restarts[0] else [0], "compressed hit after restart", problems)
@@ -440,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     # Only repeats that UCM served in full count as DRAM hits (others are listed in problems, their TTFT in raw).
     dram_ms = median([ucm_fill.ttft(i) for i in range(1, 1 + r) if served(ucm_fill, i)])
     storage_ms = median([p.ttft(0) for p in ucm_restarts if served(p, 0)])
+    lw_storage_ms = median([p.ttft(0) for p in lw_restarts if served(p, 0)])
     zstorage_ms = median([p.ttft(0) for p in z_restarts if served(p, 0)])
     ex_ok = [p for p in ex_restarts if not p.error]
     example_ms: float | str | None
@@ -457,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     compared = {
         "ucm_dram_hit": tokens(ucm_fill, answer_at),
         "ucm_after_restart": tokens(ucm_restarts[0], 1),
+        "ucm_layerwise_after_restart": tokens(lw_restarts[0], 1),
         "ucm_compressed_after_restart": tokens(z_restarts[0], 1),
     }
     outputs_identical: bool | None = None
@@ -503,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         "inmemory_hit_ms": inmem_ms,
         "ucm_dram_hit_ms": dram_ms,
         "ucm_storage_hit_ms": storage_ms,
+        "ucm_layerwise_storage_hit_ms": lw_storage_ms,
+        "layerwise_over_blockwise": ratio(lw_storage_ms, storage_ms),
         "ucm_compressed_storage_hit_ms": zstorage_ms,
         "compressed_over_uncompressed": ratio(zstorage_ms, storage_ms),
         "store_bytes": store_bytes,
@@ -516,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         "ucm_hit_blocks": {
             "dram_hit": [ucm_fill.results[i].hit_external for i in range(1, min(1 + r, len(ucm_fill.results)))],
             "storage_hit": [p.results[0].hit_external for p in ucm_restarts if p.results],
+            "layerwise_storage_hit": [p.results[0].hit_external for p in lw_restarts if p.results],
             "compressed_storage_hit": [p.results[0].hit_external for p in z_restarts if p.results],
             "total_blocks": ucm_fill.results[0].total_blocks if ucm_fill.results else None,
         },
@@ -564,6 +590,7 @@ def print_table(s: dict[str, Any]) -> None:
         ("vLLM in-memory prefix hit", s["inmemory_hit_ms"]),
         ("UCM DRAM hit (vLLM prefix caching off)", s["ucm_dram_hit_ms"]),
         ("UCM storage hit after restart", s["ucm_storage_hit_ms"]),
+        ("UCM storage hit after restart, layerwise", s["ucm_layerwise_storage_hit_ms"]),
         ("UCM storage hit after restart, KVfold lossless", s["ucm_compressed_storage_hit_ms"]),
         ("ExampleConnector after restart", s["example_connector_restart_ms"]),
         ("cold, without UCM", s["cold_without_ucm_ms"]),
@@ -580,6 +607,7 @@ def print_table(s: dict[str, Any]) -> None:
         "cold_overhead",
         "recompute_over_storage_hit",
         "compressed_over_uncompressed",
+        "layerwise_over_blockwise",
     ):
         print(f"{key:<48}{fmt(s[key])}")
     print(f"block files: {s['store_bytes']}")

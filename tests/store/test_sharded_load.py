@@ -19,11 +19,18 @@ from tests.store.test_posix import STORE_MODE_IDS, STORE_MODES
 from ucm.store.base import ShardProgress, TaskResult
 from ucm.store.cache import CacheStore
 from ucm.store.compress import CompressStore
+from ucm.store import posix as posix_module
 from ucm.store.posix import HEADER_NBYTES, PosixStore
 
 SHARDS = 6
 SHARD_NBYTES = 4099  # odd: shard ranges straddle O_DIRECT's 4 KiB units
 NBYTES = SHARDS * SHARD_NBYTES
+
+
+@pytest.fixture(autouse=True)
+def one_shard_per_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read shard by shard (the default groups small shards into 512 KiB reads: these shards would be one read)."""
+    monkeypatch.setattr(posix_module, "SHARDED_READ_BYTES", 1)
 
 
 @pytest.fixture(params=STORE_MODES, ids=STORE_MODE_IDS)
@@ -43,20 +50,23 @@ class _HeldShards:
 
     def __init__(self, store: PosixStore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.gate = threading.Event()
-        real = store._read_shard
+        real = store._load_shards
 
-        def held(read, shard, shard_nbytes):  # type: ignore[no-untyped-def]
-            if shard >= 1:
+        def held(read, first, stop, shard_nbytes, progress):  # type: ignore[no-untyped-def]
+            if first >= 1:
                 self.gate.wait(30)
-            return real(read, shard, shard_nbytes)
+            return real(read, first, stop, shard_nbytes, progress)
 
-        monkeypatch.setattr(store, "_read_shard", held)
+        monkeypatch.setattr(store, "_load_shards", held)
 
     def release(self) -> None:
         self.gate.set()
 
 
-def test_round_trip_shard_by_shard(posix: PosixStore) -> None:
+@pytest.mark.parametrize("read_bytes", [1, 3 * SHARD_NBYTES + 1, NBYTES], ids=["1", "4+2", "all"])
+def test_round_trip_shard_by_shard(posix: PosixStore, monkeypatch, read_bytes: int) -> None:
+    """Shards read one per read, four then two per read (an uneven last run), and all six in one read."""
+    monkeypatch.setattr(posix_module, "SHARDED_READ_BYTES", read_bytes)
     keys = make_keys(20, seed=1)
     src = make_blocks(20, NBYTES, seed=2)
     assert posix.wait(posix.dump(keys, src)).ok

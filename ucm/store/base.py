@@ -8,6 +8,9 @@ Semantics (the design's store contract):
 - ``lookup(keys)`` returns how many *leading* keys are present (prefix semantics); it reads no block data.
 - ``load(keys, dst)`` / ``dump(keys, src)`` are batched and asynchronous: they return a :class:`Task`;
   ``wait(task)`` blocks until it is done and returns a :class:`TaskResult` naming the keys that failed.
+- ``load_sharded(keys, dst, num_shards)`` is ``load`` for rows made of equal shards (a layerwise load: one per
+  layer): its task's ``wait_shard(s)`` returns once shard ``s`` of every row is in ``dst`` (not yet validated), so a
+  caller can use the first layers while later ones are still being read; the task's result is validated as ``load``'s.
 - A dumped block becomes visible to ``lookup`` only once it is completely written.
 - A load that cannot produce the exact bytes that were dumped (missing, truncated, corrupted, wrong key or size)
   reports that key as failed and leaves the matching ``dst`` row unspecified; it never reports wrong bytes as
@@ -153,6 +156,12 @@ class Task:
         if not 0 <= shard < self._progress.num_shards:
             raise IndexError(f"shard {shard} out of range [0, {self._progress.num_shards})")
         self._progress.wait(shard, self._future.done)
+
+    def shard_ready(self, shard: int) -> bool:
+        """Non-blocking :meth:`wait_shard`: True when it would return at once."""
+        if self._future.done():
+            return True
+        return self._progress is not None and self._progress.ready(shard)
 
     def add_done_callback(self, fn: Callable[[Task], None]) -> None:
         """Call ``fn(task)`` once the task is done (at once if it is), on the thread that completes it."""

@@ -118,6 +118,8 @@ DIRECT_ALIGN = 4096  # O_DIRECT: buffers, offsets and lengths in multiples of th
 # aio + O_DIRECT: most bytes of aligned buffers held by operations in flight (16 blocks of 16 MiB; the io_uring's depth
 # bounds small blocks first). psync + O_DIRECT holds one buffer per I/O thread instead.
 AIO_DIRECT_BUFFER_BYTES = 256 << 20
+# load_sharded: the least bytes one read of a key's shards covers (small layer shards are read several at a time).
+SHARDED_READ_BYTES = 512 << 10
 # magic, version, codec, namespace tag, payload nbytes, key, checksum
 HEADER = struct.Struct("<4sHHIQ16sQ")
 HEADER_NBYTES = HEADER.size  # 44
@@ -358,12 +360,13 @@ class PosixStore(UcmKVStoreBase):
         each row; a layerwise load: one per layer), all rows' shard 0 first, then shard 1, and so on, so that
         :meth:`~ucm.store.base.Task.wait_shard` returns shard ``s`` while later shards are still being read.
 
-        Each (shard, key) is one positional read of that byte range of the block file on the I/O threads (with
-        ``io_direct``, through an aligned buffer covering the range), with either ``posix_io_engine``. A key's
-        header is read with its shard 0; once all its shards are in, the block is validated exactly as by
-        :meth:`load` (header, key, exact size, checksum of the whole payload) and the task reports it loaded or
-        failed. Shards handed out by ``wait_shard`` are therefore not validated yet: a caller that uses them early
-        must drop a row that the task's result names as failed. ``progress``: as in
+        Each key's file is opened once; its shards are read in runs of consecutive shards of at least
+        ``SHARDED_READ_BYTES`` (one positional read per run and key, on the I/O threads, with either
+        ``posix_io_engine``; with ``io_direct``, through an aligned buffer covering the range), all keys' first run
+        before any key's second, and so on. The header is read with the first run; once all its runs are in, the
+        block is validated exactly as by :meth:`load` (header, key, exact size, checksum of the whole payload) and
+        the task reports it loaded or failed. Shards handed out by ``wait_shard`` are therefore not validated yet:
+        a caller that uses them early must drop a row that the task's result names as failed. ``progress``: as in
         :meth:`~ucm.store.base.UcmKVStoreBase.load_sharded`.
 
         Raises:
@@ -380,12 +383,14 @@ class PosixStore(UcmKVStoreBase):
         if progress is None:
             progress = ShardProgress(num_shards, len(keys))
         gather = _Gather(len(keys), "load")
-        reads = [_ShardedRead(key, self.block_path(key), dst[i], num_shards) for i, key in enumerate(keys)]
+        per_read = max(1, -(-SHARDED_READ_BYTES // shard_nbytes))  # shards per read
+        ranges = [(a, min(a + per_read, num_shards)) for a in range(0, num_shards, per_read)]
+        reads = [_ShardedRead(key, self.block_path(key), dst[i], len(ranges)) for i, key in enumerate(keys)]
         for i, read in enumerate(reads):
             gather.add(i, read.future)
-        for shard in range(num_shards):
+        for first, stop in ranges:
             for read in reads:
-                self._pool.submit(self._load_shard, read, shard, shard_nbytes, progress)
+                self._pool.submit(self._load_shards, read, first, stop, shard_nbytes, progress)
         return Task(gather.future, progress)
 
     def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
@@ -781,40 +786,36 @@ class PosixStore(UcmKVStoreBase):
             reason = exc
         return self._load_outcome(key, path, reason, stat)
 
-    def _load_shard(self, read: _ShardedRead, shard: int, shard_nbytes: int, progress: ShardProgress) -> None:
-        """Read shard ``shard`` of one key's block (with the header for shard 0); the key's last shard validates the
-        whole block and resolves ``read.future``. Never raises: a failure is recorded for the key."""
+    def _load_shards(
+        self, read: _ShardedRead, first: int, stop: int, shard_nbytes: int, progress: ShardProgress
+    ) -> None:
+        """Read shards ``[first, stop)`` of one key's block (with the header when ``first`` is 0); the key's last
+        run validates the whole block and resolves ``read.future``. Never raises: a failure is recorded for the
+        key."""
         got, error = 0, None
         error_or_bug: BaseException | None = None
         try:
-            if not read.failed_early():
-                got, error = self._read_shard(read, shard, shard_nbytes)
-                error_or_bug = error
+            fd = read.open(os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0))
+            if fd is not None:
+                piece = read.payload[first * shard_nbytes : stop * shard_nbytes]
+                if first == 0:
+                    got = _pread_range(fd, [read.header, piece], 0, self._direct)
+                else:
+                    got = _pread_range(fd, [piece], HEADER_NBYTES + first * shard_nbytes, self._direct)
+        except OSError as exc:
+            error = exc
+            error_or_bug = exc
         except Exception as exc:  # a bug, not an I/O error: fail the key loudly (through its future)
             error_or_bug = exc
         finally:
-            progress.done(shard)
-        if read.shard_read(shard, got, error_or_bug):
+            for shard in range(first, stop):
+                progress.done(shard)
+        if read.run_read(got, error_or_bug if error is None else error):
             self._finish_sharded(read)
-
-    def _read_shard(self, read: _ShardedRead, shard: int, shard_nbytes: int) -> tuple[int, OSError | None]:
-        """``(bytes of the block's range read, OSError or None)``; shard 0 also reads the header and ``fstat``."""
-        flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
-        piece = read.payload[shard * shard_nbytes : (shard + 1) * shard_nbytes]
-        try:
-            fd = os.open(read.path, flags)
-            try:
-                if shard == 0:
-                    read.stat = os.fstat(fd)
-                    return _pread_range(fd, [read.header, piece], 0, self._direct), None
-                return _pread_range(fd, [piece], HEADER_NBYTES + shard * shard_nbytes, self._direct), None
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            return 0, exc
 
     def _finish_sharded(self, read: _ShardedRead) -> None:
         """All shards of ``read`` are in: validate the block as :meth:`load` does and resolve its future."""
+        read.close()
         if isinstance(read.error, BaseException) and not isinstance(read.error, OSError):
             read.future.set_exception(read.error)
             return
@@ -946,34 +947,53 @@ class PosixStore(UcmKVStoreBase):
 
 
 class _ShardedRead:
-    """One key of a :meth:`PosixStore.load_sharded`: where its shards go and what their reads found."""
+    """One key of a :meth:`PosixStore.load_sharded`: its file (opened once, by its first run to start), where its
+    shards go and what their reads found."""
 
-    def __init__(self, key: bytes, path: str, row: torch.Tensor, num_shards: int) -> None:
+    def __init__(self, key: bytes, path: str, row: torch.Tensor, num_runs: int) -> None:
         self.key = key
         self.path = path
         self.payload = row.numpy().data.cast("B")
         self.header = memoryview(bytearray(HEADER_NBYTES))
-        self.stat: os.stat_result | None = None  # from shard 0's read
+        self.stat: os.stat_result | None = None  # at open
         self.future: Future[bool] = Future()
-        self.got = 0  # header and payload bytes read, over all shards
-        self.error: BaseException | None = None  # the first failure, in shard order
-        self._error_shard = num_shards
-        self._remaining = num_shards
+        self.got = 0  # header and payload bytes read, over all runs
+        self.error: BaseException | None = None  # the first failure (the open's, when it failed)
+        self._fd = -1
+        self._remaining = num_runs
         self._lock = threading.Lock()
 
-    def failed_early(self) -> bool:
-        """True when an earlier read of this key already failed (later shards need not be read)."""
+    def open(self, flags: int) -> int | None:
+        """The block file's fd, opened (and ``fstat``-ed) by the first caller; ``None`` when the key has already
+        failed (later runs need not be read). Raises the ``OSError`` of a failed open."""
         with self._lock:
-            return self.error is not None
+            if self.error is not None:
+                return None
+            if self._fd < 0:
+                fd = os.open(self.path, flags)
+                try:
+                    self.stat = os.fstat(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fd = fd
+            return self._fd
 
-    def shard_read(self, shard: int, got: int, error: BaseException | None) -> bool:
-        """Record one shard's outcome; True for the key's last shard (the caller then validates)."""
+    def run_read(self, got: int, error: BaseException | None) -> bool:
+        """Record one run's outcome; True for the key's last run (the caller then validates)."""
         with self._lock:
             self.got += got
-            if error is not None and shard < self._error_shard:
-                self.error, self._error_shard = error, shard
+            if error is not None and self.error is None:
+                self.error = error
             self._remaining -= 1
             return self._remaining == 0
+
+    def close(self) -> None:
+        """Close the file (after the last run)."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 class _FaultLog:

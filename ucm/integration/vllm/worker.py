@@ -51,6 +51,8 @@ class _LayerLoad:
     staging: torch.Tensor  # [n, num_layers, *shard] CPU, the task's dst
     started: float  # perf_counter at start
     next_layer: int = 0  # layers [0, next_layer) are scattered
+    waited_s: float = 0.0  # time spent waiting for shards (seconds)
+    scatter_s: float = 0.0  # time spent scattering (seconds)
 
 
 @dataclass
@@ -129,8 +131,9 @@ class UCMWorker:
         return torch.empty(shape, dtype=s.dtype, device=device)
 
     def _load_staging(self, n: int) -> torch.Tensor:
-        """The first ``n`` blocks of a load buffer kept across steps (loads are synchronous, so it is free again
-        when ``start_load_kv`` returns); reusing it spares the page faults of a fresh allocation per load."""
+        """The first ``n`` blocks of a load buffer kept across steps (a step's load is over before the next one
+        starts: when ``start_load_kv`` returns, or, layerwise, in ``wait_for_save``); reusing it spares the page
+        faults of a fresh allocation per load."""
         if self._load_buffer is None or self._load_buffer.shape[0] < n:
             self._load_buffer = self._staging(max(n, 16))
         return self._load_buffer[:n]
@@ -145,10 +148,11 @@ class UCMWorker:
         return keys, block_ids
 
     def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
-        """Load the step's planned blocks and scatter them into the paged KV (synchronous, all layers).
+        """Load the step's planned blocks and scatter them into the paged KV (blockwise: synchronous, all layers;
+        layerwise: start the load, see :meth:`wait_for_layer_load`).
 
         Blocks the store cannot produce are recorded for :meth:`get_block_ids_with_load_errors` (vLLM recomputes
-        them) and are not written to the paged KV.
+        them); blockwise, they are not written to the paged KV.
         """
         if not meta.loads or self._layout is None:
             return
@@ -256,12 +260,22 @@ class UCMWorker:
     def _scatter_layers(self, load: _LayerLoad, stop: int) -> None:
         assert self._layout is not None
         device = self._kv_caches[0].device
+        num_layers = len(self._kv_caches)
         while load.next_layer < stop:
-            layer = load.next_layer
-            load.task.wait_shard(layer)
-            shard = load.staging[:, layer][None]
-            scatter_layers(shard.to(device, non_blocking=True), [self._kv_caches[layer]], load.ids, self._layout)
-            load.next_layer += 1
+            first = load.next_layer
+            t0 = time.perf_counter()
+            load.task.wait_shard(first)
+            t1 = time.perf_counter()
+            # Every later layer that has arrived too goes in the same launch (fewer, larger scatters).
+            end = first + 1
+            while end < num_layers and load.task.shard_ready(end):
+                end += 1
+            shards = load.staging[:, first:end].transpose(0, 1)  # [layers, n, *shard], shard dims contiguous
+            caches = self._kv_caches[first:end]
+            scatter_layers(shards.to(device, non_blocking=True), caches, load.ids, self._layout)
+            load.waited_s += t1 - t0
+            load.scatter_s += time.perf_counter() - t1
+            load.next_layer = end
 
     def _finish_layer_load(self) -> None:
         """End the step's layerwise load: scatter the layers not done yet, wait for validation, record failures."""
@@ -283,12 +297,14 @@ class UCMWorker:
             )
         invalidate_blocks(load.ids.cpu())
         logger.debug(
-            "layerwise load of %d blocks into vLLM block ids %s: %.1f ms from start to validated, %.1f ms of it "
-            "waited for after the forward pass",
+            "layerwise load of %d blocks into vLLM block ids %s: %.1f ms from start to validated; the step waited "
+            "%.1f ms for layers and %.1f ms for validation, scatter %.1f ms",
             len(load.keys),
             load.block_ids,
             (time.perf_counter() - load.started) * 1e3,
+            load.waited_s * 1e3,
             (time.perf_counter() - t_wait) * 1e3,
+            load.scatter_s * 1e3,
         )
 
     def save_kv_layer(self, layer_name: str, meta: UCMConnectorMetadata) -> None:
