@@ -1,0 +1,125 @@
+"""The connector's worker in layerwise mode, without an engine: real Posix stores on temp dirs, real paged tensors.
+
+Shows what the engine tests cannot see from outside: ``start_load_kv`` returns before the data is in,
+``wait_for_layer_load`` writes a layer only once its shard has arrived (later layers are held back by holding the
+store's reads, as a slow disk would), a damaged block is reported after its layers were scattered, and a layerwise
+dump writes the same files as a blockwise one, also when vLLM skips ``save_kv_layer`` for a layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucm.integration.vllm.engine_info import KVSpec
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.worker import UCMWorker
+from ucm.kernels.layouts import KVLayout
+from ucm.store import posix as posix_module
+from ucm.store.posix import PosixStore
+
+LAYERS = ("l0", "l1", "l2", "l3")
+BLOCK_SIZE, HEADS, DIM, NUM_BLOCKS = 32, 2, 16, 8
+KEYS = [bytes([i]) * 16 for i in range(3)]
+SOURCE_IDS, TARGET_IDS = [1, 4, 6], [7, 0, 3]
+
+
+def _caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """Random bf16 CPU_ATTN paged caches, or all-NaN ones (``seed`` None) so an unwritten block shows."""
+    g = torch.Generator().manual_seed(seed or 0)
+    shape = (NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * DIM)
+    return {
+        n: (torch.randn(shape, generator=g) if seed is not None else torch.full(shape, float("nan"))).bfloat16()
+        for n in LAYERS
+    }
+
+
+def _worker(store: PosixStore, caches: dict[str, torch.Tensor], layerwise: bool) -> UCMWorker:
+    worker = UCMWorker(
+        KVSpec(LAYERS, BLOCK_SIZE, HEADS, DIM, torch.bfloat16), store, lambda _c: KVLayout.CPU_ATTN, layerwise=layerwise
+    )
+    worker.register_kv_caches(caches)
+    return worker
+
+
+def _written(caches: dict[str, torch.Tensor], layer: str, ids: list[int], source: dict[str, torch.Tensor]) -> bool:
+    return torch.equal(caches[layer][ids].view(torch.int16), source[layer][SOURCE_IDS].view(torch.int16))
+
+
+@pytest.fixture
+def filled(tmp_path: Path) -> tuple[PosixStore, dict[str, torch.Tensor]]:
+    """A store holding the 3 source blocks, dumped blockwise."""
+    store = PosixStore(str(tmp_path / "kv"))
+    source = _caches(seed=1)
+    writer = _worker(store, source, layerwise=False)
+    writer.wait_for_save(UCMConnectorMetadata(dumps=[BlockTransfer("r0", KEYS, SOURCE_IDS)]))
+    writer.shutdown()
+    yield store, source
+    store.close()
+
+
+def test_each_layer_is_written_only_once_its_shard_has_arrived(filled, monkeypatch) -> None:
+    store, source = filled
+    monkeypatch.setattr(posix_module, "SHARDED_READ_BYTES", 1)  # one read per (layer, block)
+    gate = threading.Event()
+    real = store._load_shards
+
+    def held(read, first, stop, shard_nbytes, progress):  # type: ignore[no-untyped-def]
+        if first >= 1:
+            gate.wait(30)
+        return real(read, first, stop, shard_nbytes, progress)
+
+    monkeypatch.setattr(store, "_load_shards", held)
+    caches = _caches(seed=None)
+    worker = _worker(store, caches, layerwise=True)
+    meta = UCMConnectorMetadata(loads=[BlockTransfer("r1", KEYS, TARGET_IDS)])
+    worker.start_load_kv(meta)  # returns with layers 1.. still being read
+    worker.wait_for_layer_load("l0")
+    assert _written(caches, "l0", TARGET_IDS, source)
+    assert all(bool(caches[n][TARGET_IDS].isnan().all()) for n in LAYERS[1:])  # not arrived, not written
+    gate.set()
+    worker.wait_for_layer_load("l2")
+    assert all(_written(caches, n, TARGET_IDS, source) for n in LAYERS[:3])
+    worker.wait_for_save(meta)  # the step's end: layers vLLM did not ask for are written, blocks validated
+    assert all(_written(caches, n, TARGET_IDS, source) for n in LAYERS)
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.shutdown()
+
+
+def test_damaged_block_is_reported_after_its_layers_were_scattered(filled) -> None:
+    store, _ = filled
+    path = Path(store.block_path(KEYS[1]))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # last layer's last byte: only the whole-block checksum sees it
+    path.write_bytes(bytes(data))
+    caches = _caches(seed=None)
+    worker = _worker(store, caches, layerwise=True)
+    meta = UCMConnectorMetadata(loads=[BlockTransfer("r1", KEYS, TARGET_IDS)])
+    worker.start_load_kv(meta)
+    for n in LAYERS:
+        worker.wait_for_layer_load(n)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {TARGET_IDS[1]}  # vLLM recomputes block 0 (key 1)
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    worker_meta = worker.take_worker_meta()
+    assert worker_meta is not None and worker_meta.failed_keys == [KEYS[1]]  # the scheduler dumps it again
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("skipped", [None, "l3"], ids=["every_layer", "save_kv_layer_skipped_for_l3"])
+def test_layerwise_dump_writes_the_blockwise_files(filled, tmp_path, skipped) -> None:
+    blockwise, source = filled
+    store = PosixStore(str(tmp_path / "layerwise"))
+    worker = _worker(store, source, layerwise=True)
+    meta = UCMConnectorMetadata(dumps=[BlockTransfer("r0", KEYS, SOURCE_IDS)])
+    for n in LAYERS:
+        if n != skipped:
+            worker.save_kv_layer(n, meta)
+    worker.wait_for_save(meta)
+    worker.shutdown()
+    for key in KEYS:
+        assert Path(store.block_path(key)).read_bytes() == Path(blockwise.block_path(key)).read_bytes()
+    store.close()
