@@ -21,6 +21,8 @@ refuses is reported as ``{"unsupported": <reason>}`` for that store; the raw bas
 - ``load_cold``: a *fresh* store instance (so the ``Cache`` stage is empty and every block comes from its file)
   loads every block, in batches, after the page cache was emptied; ``load_warm``: another fresh instance loads them
   again right after (files in the page cache). Every load is checked: no failed key, bytes equal to what was dumped.
+- ``load_layerwise_cold`` (16 MiB blocks only): as ``load_cold``, with ``load_sharded`` into 32 shards of 512 KiB
+  (one per layer), the read pattern of ``use_layerwise: true``; timed until every block is validated.
 
 Raw baseline, same bytes, same directory, same run, one thread, plain ``open`` / ``write`` / ``read`` / ``close``
 (``O_DIRECT`` when ``--io-direct`` is given and the file system takes it; ``raw_io`` says which): ``write_files``
@@ -346,9 +348,13 @@ def run_tasks(
     """``store.dump`` or ``store.load`` (``op``) of ``keys`` / rows of ``buf``, one call per batch of ``parts``, all
     started, then all waited for. Returns (seconds until the last call returned, seconds until every task was done,
     failed keys)."""
-    start = store.dump if op == "dump" else store.load
     t0 = time.perf_counter()
-    tasks = [start(keys[s], buf[s]) for s in parts]
+    if op == "dump":
+        tasks = [store.dump(keys[s], buf[s]) for s in parts]
+    elif op == "load":
+        tasks = [store.load(keys[s], buf[s]) for s in parts]
+    else:  # load_sharded: one shard per layer, as a layerwise load reads
+        tasks = [store.load_sharded(keys[s], buf[s], buf.shape[1] // LAYER_SHARD) for s in parts]
     t_started = time.perf_counter() - t0
     failed = sum(len(store.wait(t).failed) for t in tasks)
     return t_started, time.perf_counter() - t0, failed
@@ -512,6 +518,16 @@ class BlockBench:
                 self.stores[name].add(f"load_{temp}", done)
                 self.failed_keys[name] += failed
                 self.check(f"{name} load_{temp}")
+            if self.block_nbytes > LAYER_SHARD:
+                self.before_read("cold")
+                store = open_store(args, name, root / store_dirname(name))
+                try:
+                    _, done, failed = run_tasks(store, "load_sharded", keys, self.dst, self.parts)
+                finally:
+                    store.close()
+                self.stores[name].add("load_layerwise_cold", done)
+                self.failed_keys[name] += failed
+                self.check(f"{name} load_layerwise_cold")
 
         print(f"-- repeat {rep}, GB/s")
         for what, samples in [("raw", raw), *self.stores.items()]:
@@ -538,6 +554,7 @@ RATIO_BASES = {
     "dump": ("write_files", "write_bigfile"),
     "dump_synced": ("write_files_synced", "write_bigfile_synced"),
     "load_cold": ("read_files_cold", "read_bigfile_cold"),
+    "load_layerwise_cold": ("read_files_cold", "read_bigfile_cold"),
     "load_warm": ("read_files_warm", "read_bigfile_warm"),
 }
 
