@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.store.blocks import make_blocks, make_keys, poisoned
+from tests.store.conftest import STORE_MODES
 from ucm.store import posix_uring
 from ucm.store.base import Task, TaskResult
 from ucm.store.posix import (
@@ -38,19 +39,6 @@ def all_files(root: Path) -> list[Path]:
 
 
 # (io_engine, io_direct): every engine and I/O mode the store supports.
-STORE_MODES = [("psync", False), ("psync", True), ("aio", False), ("aio", True)]
-STORE_MODE_IDS = ["psync-buffered", "psync-direct", "aio-buffered", "aio-direct"]
-
-
-@pytest.fixture(params=STORE_MODES, ids=STORE_MODE_IDS)
-def store(tmp_path: Path, request: pytest.FixtureRequest):
-    """A store on a temp directory (ext4 here), for each engine and I/O mode."""
-    io_engine, io_direct = request.param
-    s = PosixStore(str(tmp_path / "kv"), io_direct=io_direct, io_engine=io_engine)
-    yield s
-    s.close()
-
-
 @pytest.fixture(params=[False, True], ids=["aio-buffered", "aio-direct"])
 def aio_store(tmp_path: Path, request: pytest.FixtureRequest):
     """An io_uring store on a temp directory, buffered and with O_DIRECT."""

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from tests.store.test_posix import STORE_MODE_IDS, STORE_MODES
 from ucm.store import posix as posix_module
 from ucm.store.base import ShardProgress, TaskResult
 from ucm.store.cache import CacheStore
@@ -31,14 +30,6 @@ NBYTES = SHARDS * SHARD_NBYTES
 def one_shard_per_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """Read shard by shard (the default groups small shards into 512 KiB reads: these shards would be one read)."""
     monkeypatch.setattr(posix_module, "SHARDED_READ_BYTES", 1)
-
-
-@pytest.fixture(params=STORE_MODES, ids=STORE_MODE_IDS)
-def posix(tmp_path: Path, request: pytest.FixtureRequest):
-    io_engine, io_direct = request.param
-    s = PosixStore(str(tmp_path / "kv"), io_direct=io_direct, io_engine=io_engine)
-    yield s
-    s.close()
 
 
 def _shard(t: torch.Tensor, s: int) -> torch.Tensor:
@@ -64,14 +55,14 @@ class _HeldShards:
 
 
 @pytest.mark.parametrize("read_bytes", [1, 3 * SHARD_NBYTES + 1, NBYTES], ids=["1", "4+2", "all"])
-def test_round_trip_shard_by_shard(posix: PosixStore, monkeypatch, read_bytes: int) -> None:
+def test_round_trip_shard_by_shard(store: PosixStore, monkeypatch, read_bytes: int) -> None:
     """Shards read one per read, four then two per read (an uneven last run), and all six in one read."""
     monkeypatch.setattr(posix_module, "SHARDED_READ_BYTES", read_bytes)
     keys = make_keys(20, seed=1)
     src = make_blocks(20, NBYTES, seed=2)
-    assert posix.wait(posix.dump(keys, src)).ok
+    assert store.wait(store.dump(keys, src)).ok
     dst = poisoned(20, NBYTES)
-    task = posix.load_sharded(keys, dst, SHARDS)
+    task = store.load_sharded(keys, dst, SHARDS)
     for s in range(SHARDS):
         task.wait_shard(s)
         assert torch.equal(_shard(dst, s), _shard(src, s)), s
@@ -79,30 +70,30 @@ def test_round_trip_shard_by_shard(posix: PosixStore, monkeypatch, read_bytes: i
     assert torch.equal(dst, src)
 
 
-def test_shard_zero_is_handed_out_while_later_shards_are_read(posix: PosixStore, monkeypatch) -> None:
+def test_shard_zero_is_handed_out_while_later_shards_are_read(store: PosixStore, monkeypatch) -> None:
     keys = make_keys(4, seed=3)
     src = make_blocks(4, NBYTES, seed=4)
-    assert posix.wait(posix.dump(keys, src)).ok
-    held = _HeldShards(posix, monkeypatch)
+    assert store.wait(store.dump(keys, src)).ok
+    held = _HeldShards(store, monkeypatch)
     dst = poisoned(4, NBYTES)
-    task = posix.load_sharded(keys, dst, SHARDS)
+    task = store.load_sharded(keys, dst, SHARDS)
     task.wait_shard(0)
     assert torch.equal(_shard(dst, 0), _shard(src, 0))
     assert not task.done()  # shards 1.. are still held
     held.release()
-    assert posix.wait(task).ok and torch.equal(dst, src)
+    assert store.wait(task).ok and torch.equal(dst, src)
 
 
-def test_damaged_block_fails_after_its_shards_were_handed_out(posix: PosixStore) -> None:
+def test_damaged_block_fails_after_its_shards_were_handed_out(store: PosixStore) -> None:
     keys = make_keys(3, seed=5)
     src = make_blocks(3, NBYTES, seed=6)
-    assert posix.wait(posix.dump(keys, src)).ok
-    path = Path(posix.block_path(keys[1]))
+    assert store.wait(store.dump(keys, src)).ok
+    path = Path(store.block_path(keys[1]))
     data = bytearray(path.read_bytes())
     data[HEADER_NBYTES + NBYTES - 1] ^= 0x01  # last shard's last byte: only the whole-block checksum sees it
     path.write_bytes(bytes(data))
     dst = poisoned(3, NBYTES)
-    task = posix.load_sharded(keys, dst, SHARDS)
+    task = store.load_sharded(keys, dst, SHARDS)
     for s in range(SHARDS):
         task.wait_shard(s)  # every shard is handed out, the damaged row's too
     assert task.result().failed == {1}
@@ -110,28 +101,28 @@ def test_damaged_block_fails_after_its_shards_were_handed_out(posix: PosixStore)
     assert not path.exists()  # removed as damaged, as a plain load does
 
 
-def test_missing_and_truncated_blocks_fail_without_hanging(posix: PosixStore) -> None:
+def test_missing_and_truncated_blocks_fail_without_hanging(store: PosixStore) -> None:
     keys = make_keys(4, seed=7)
     src = make_blocks(4, NBYTES, seed=8)
-    assert posix.wait(posix.dump(keys[:3], src[:3])).ok  # keys[3] never stored
-    path = Path(posix.block_path(keys[0]))
+    assert store.wait(store.dump(keys[:3], src[:3])).ok  # keys[3] never stored
+    path = Path(store.block_path(keys[0]))
     path.write_bytes(path.read_bytes()[: HEADER_NBYTES + 2 * SHARD_NBYTES])  # shards 2.. gone
     dst = poisoned(4, NBYTES)
-    assert posix.wait(posix.load_sharded(keys, dst, SHARDS)).failed == {0, 3}
+    assert store.wait(store.load_sharded(keys, dst, SHARDS)).failed == {0, 3}
     assert torch.equal(dst[1:3], src[1:3])
 
 
-def test_bad_shard_arguments(posix: PosixStore) -> None:
+def test_bad_shard_arguments(store: PosixStore) -> None:
     keys = make_keys(1, seed=9)
     with pytest.raises(ValueError, match=r"num_shards must be an int >= 1 dividing the row size 24594 bytes, got 7"):
-        posix.load_sharded(keys, poisoned(1, NBYTES), 7)
+        store.load_sharded(keys, poisoned(1, NBYTES), 7)
     with pytest.raises(ValueError, match="got 0"):
-        posix.load_sharded(keys, poisoned(1, NBYTES), 0)
-    posix.wait(posix.dump(keys, make_blocks(1, NBYTES, seed=10)))
-    task = posix.load_sharded(keys, poisoned(1, NBYTES), SHARDS)
+        store.load_sharded(keys, poisoned(1, NBYTES), 0)
+    store.wait(store.dump(keys, make_blocks(1, NBYTES, seed=10)))
+    task = store.load_sharded(keys, poisoned(1, NBYTES), SHARDS)
     with pytest.raises(IndexError, match=r"shard 6 out of range \[0, 6\)"):
         task.wait_shard(SHARDS)
-    assert posix.wait(task).ok
+    assert store.wait(task).ok
 
 
 def test_cache_serves_hits_whole_and_reads_misses_through(tmp_path: Path, monkeypatch) -> None:

@@ -1,0 +1,22 @@
+"""Fixtures shared by the store tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ucm.store.posix import PosixStore
+
+STORE_MODES = [("psync", False), ("psync", True), ("aio", False), ("aio", True)]
+STORE_MODE_IDS = ["psync-buffered", "psync-direct", "aio-buffered", "aio-direct"]
+
+
+@pytest.fixture(params=STORE_MODES, ids=STORE_MODE_IDS)
+def store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[PosixStore]:
+    """A store on a temp directory (ext4 here), for each engine and I/O mode."""
+    io_engine, io_direct = request.param
+    s = PosixStore(str(tmp_path / "kv"), io_direct=io_direct, io_engine=io_engine)
+    yield s
+    s.close()
