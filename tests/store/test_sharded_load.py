@@ -16,10 +16,10 @@ import torch
 
 from tests.store.blocks import make_blocks, make_keys, poisoned
 from tests.store.test_posix import STORE_MODE_IDS, STORE_MODES
+from ucm.store import posix as posix_module
 from ucm.store.base import ShardProgress, TaskResult
 from ucm.store.cache import CacheStore
 from ucm.store.compress import CompressStore
-from ucm.store import posix as posix_module
 from ucm.store.posix import HEADER_NBYTES, PosixStore
 
 SHARDS = 6
