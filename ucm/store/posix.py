@@ -225,8 +225,9 @@ class PosixStore(UcmKVStoreBase):
     Buffers follow the contract of :mod:`ucm.store.base`: CPU ``torch.uint8`` tensors
     ``[num_keys, block_nbytes]``, one row per key. Loads and dumps run on a thread pool, one file per job; with the
     ``aio`` engine the pool only opens files and queues their data transfer on an io_uring (see
-    :mod:`ucm.store.posix_uring`), whose reaper thread validates, closes and renames. See the module docstring for
-    the file format, fault handling and garbage collection.
+    :mod:`ucm.store.posix_uring`), whose reaper thread validates, closes and renames. KVfold files (written by a
+    ``Compress`` stage sharing the directories) are read too and decoded into their rows (see :meth:`load`). See the
+    module docstring for the file format, fault handling and garbage collection.
 
     Args:
         storage_backends: one directory, several joined by ``':'``, or a sequence of directories. Missing
