@@ -2,6 +2,8 @@
 
 Lossless: a cold engine fills the store with compressed block files; a restarted engine loads them and its greedy
 output is identical to the no-UCM run; a damaged compressed file is a miss (recomputed, output still identical).
+Switching back to ``Cache|Posix`` (blockwise and layerwise) on that store: every block hits, the Posix stage decodes
+the compressed files, and the output is still identical.
 Fixed rate (lossy int8): a restarted engine loads the lossy blocks; the token agreement with the no-UCM run is
 reported (printed), not asserted beyond the first token, since it is lossy by design.
 """
@@ -39,7 +41,9 @@ def prompts(real_model: Path) -> list[str]:
     return [tok.decode(ids[i * PROMPT_TOKENS : (i + 1) * PROMPT_TOKENS]) for i in range(2)]
 
 
-def spec(model: Path, store: Path | None, prompts: list[str], **store_config: Any) -> dict[str, Any]:
+def spec(
+    model: Path, store: Path | None, prompts: list[str], use_layerwise: bool = False, **store_config: Any
+) -> dict[str, Any]:
     s: dict[str, Any] = {
         "model": str(model),
         "dtype": "bfloat16",
@@ -49,12 +53,15 @@ def spec(model: Path, store: Path | None, prompts: list[str], **store_config: An
     if store is not None:
         extra = ucm_extra_config(store, store_config.pop("store_pipeline", "Cache|Compress|Posix"))
         extra["ucm_connectors"][0]["ucm_connector_config"].update(store_config)
+        extra["use_layerwise"] = use_layerwise
         s["connector"] = ucm_transfer_config(extra)
     return s
 
 
-def run(model: Path, store: Path | None, prompts: list[str], **cfg: Any) -> tuple[list[RequestResult], str]:
-    return run_engine(spec(model, store, prompts, **cfg), env={"UC_LOGGER_LEVEL": "DEBUG"})
+def run(
+    model: Path, store: Path | None, prompts: list[str], use_layerwise: bool = False, **cfg: Any
+) -> tuple[list[RequestResult], str]:
+    return run_engine(spec(model, store, prompts, use_layerwise, **cfg), env={"UC_LOGGER_LEVEL": "DEBUG"})
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +75,7 @@ def codec_and_size(path: Path) -> tuple[int, int]:
         return HEADER.unpack(f.read(HEADER_NBYTES))[2], os.path.getsize(path)
 
 
-def test_lossless_restart_hits_identical_output_and_damage_is_a_miss(
+def test_lossless_restart_damage_and_switch_back_to_cache_posix(
     real_model: Path, prompts: list[str], baseline: list[RequestResult], tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
@@ -94,6 +101,16 @@ def test_lossless_restart_hits_identical_output_and_damage_is_a_miss(
     assert "COMPRESS LOAD START | " in log and "COMPRESS LOAD END | " in log
     assert [r.token_ids for r in warm] == [r.token_ids for r in baseline]
     assert codec_and_size(damaged)[0] == CODEC_KVFOLD  # removed as damaged, then stored again
+
+    # store_pipeline switched back to Cache|Posix: the compressed files are decoded by the Posix stage.
+    for layerwise in (False, True):
+        plain, log = run(real_model, store, prompts, use_layerwise=layerwise, store_pipeline="Cache|Posix")
+        assert [r.hit_external for r in plain] == [2, 2], layerwise
+        assert failed_loads(log) == 0, log[-3000:]
+        assert "COMPRESS LOAD START" not in log
+        assert "KVfold blocks decoded" in log, log[-3000:]
+        assert [r.token_ids for r in plain] == [r.token_ids for r in baseline], layerwise
+    assert all(codec_and_size(block_path(store, k))[0] == CODEC_KVFOLD for k in keys[0] + keys[1])
 
 
 def test_fixed_rate_restart_reports_token_agreement(

@@ -9,9 +9,9 @@ codec in the block file's header: ``CODEC_KVFOLD`` (a self-describing container,
 - a store written in one mode is read correctly in any other (a block written with ``fixed_rate`` stays lossy:
   reading it under ``lossless`` is logged once);
 - a store written by ``Cache|Posix`` (raw files) is fully readable by ``Cache|Compress|Posix``;
-- the other way round, ``Cache|Posix`` reports KVfold files as misses (kept in place: "another codec"), and since
-  a dump skips an existing file, such blocks stay misses for that pipeline until the files are removed
-  (``python -m ucm.store clear``) or garbage-collected. Never wrong KV.
+- the other way round, ``Cache|Posix`` and ``Posix`` decode KVfold files too (:meth:`~ucm.store.posix.PosixStore.load`,
+  with the same :func:`~ucm.store.kvfold.decode_block`: lossy blocks stay lossy), so switching ``store_pipeline``
+  back, or mixing both pipelines on one directory, loses no stored block. Never wrong KV.
 
 Modes (``compress_mode``, see :mod:`ucm.config`): ``lossless`` (default; bit-exact), ``fixed_rate`` (lossy int8
 with a per-(token, head) scale, ``compress_ratio: 16``), ``off`` (raw files through this stage). Blocks of a KV

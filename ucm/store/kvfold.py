@@ -193,6 +193,45 @@ def container_mode(payload: bytes | bytearray | memoryview) -> Mode:
     return "int8" if mode_code == MODE_INT8 else "lossless"
 
 
+@dataclass(frozen=True)
+class ContainerHeader:
+    """The fixed header of a KVfold container (the first ``CONTAINER.size`` bytes), not checked against a block.
+
+    Attributes:
+        version: container version (u8); mode_code: 1 lossless, 2 int8; dtype_code: 0 bf16;
+        block_nbytes: the raw block size the container decodes to, in bytes; num_sections: sections S.
+    """
+
+    version: int
+    mode_code: int
+    dtype_code: int
+    block_nbytes: int
+    num_sections: int
+
+    @property
+    def known(self) -> bool:
+        """True when this version decodes such a container (its version, mode and dtype); a container that is not
+        known was written by another (newer) UCM, not damaged."""
+        return (
+            self.version == CONTAINER_VERSION
+            and self.mode_code in (MODE_LOSSLESS, MODE_INT8)
+            and self.dtype_code == DTYPE_BF16
+        )
+
+
+def read_container_header(payload: bytes | bytearray | memoryview) -> ContainerHeader:
+    """The header of the container ``payload`` (no other check: :func:`decode_block` validates the rest).
+
+    Raises:
+        BlockCorruptedError: ``payload`` is shorter than the container header (16 bytes).
+    """
+    mv = memoryview(payload).cast("B")
+    if len(mv) < CONTAINER.size:
+        raise BlockCorruptedError(f"KVfold container of {len(mv)} bytes is shorter than its header")
+    version, mode_code, dtype_code, _, n_bytes, num_sections, _ = CONTAINER.unpack_from(mv, 0)
+    return ContainerHeader(version, mode_code, dtype_code, n_bytes, num_sections)
+
+
 def decode_block(payload: bytes | bytearray | memoryview, dst: torch.Tensor) -> Mode:
     """Decode a container from :func:`encode_block` into ``dst``.
 

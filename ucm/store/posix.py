@@ -30,14 +30,22 @@ power loss fails the size or checksum check on ``load`` and is reported as a mis
 Encoded blocks (the ``Compress`` stage): :meth:`PosixStore.dump_encoded` stores a payload of any size with the
 codec the caller names; :meth:`PosixStore.load_encoded` returns a file's codec and payload after checking magic,
 version, key, exact size and checksum (the checksum covers the stored, i.e. compressed, bytes). Encoded loads run on
-the pool threads with positional reads for either engine; encoded dumps use the configured engine. A plain ``load``
-(``Cache|Posix``) reports a file of another codec as a miss and keeps it.
+the pool threads with positional reads for either engine; encoded dumps use the configured engine.
+
+A plain ``load``/``load_sharded`` (``Cache|Posix``, ``Posix``) also reads KVfold files, so a store filled by
+``Cache|Compress|Posix`` stays readable after switching back to ``Cache|Posix``, and instances of both pipelines can
+share a directory: such a file is read whole into a temporary buffer, checked as by ``load_encoded``, and decoded into
+the row by :func:`ucm.store.kvfold.decode_block` (bit-exact for lossless containers; a fixed-rate container decodes to
+its lossy values, as the Compress stage reads it). Raw files keep the direct path (read straight into the row). The
+codec module is imported on the first KVfold file met (its kernels are not needed for raw files; the first decode in
+a process also loads numba's compiled kernels).
 
 ``load`` validates magic, version, codec, payload size, key, exact file size (no trailing bytes) and checksum
-before reporting a block as loaded; anything else is a failed key (a cache miss for the caller). A damaged file is
-removed, so the block is recomputed and stored again instead of failing every later load; a file of another format
-version, codec or block size (another UCM version sharing the directory, or a caller's size mismatch) is left in
-place.
+before reporting a block as loaded (for a KVfold file: the stored size and checksum, then the container decodes to a
+block of the row's size); anything else is a failed key (a cache miss for the caller). A damaged file (including a
+KVfold container that does not decode) is removed, so the block is recomputed and stored again instead of failing
+every later load; a file of another format version, codec, block size or KVfold container version (another UCM
+version sharing the directory, or a caller's size mismatch) is left in place.
 
 Files are created with mode ``0o600`` and shard directories with ``0o700`` (the process umask applies on top): only
 the serving user reads the KV it wrote. The storage directories themselves must exist or be creatable at start,
@@ -83,6 +91,7 @@ import xxhash
 
 from ucm.logger import init_logger
 from ucm.store.base import (
+    BlockCorruptedError,
     ShardProgress,
     Task,
     TaskResult,
@@ -158,12 +167,15 @@ def _prepare_dir(path: str, require_writable: bool) -> bool:
 
 
 class _Gather:
-    """Combines per-key futures (each resolving to ``True`` on success) into one ``Future[TaskResult]``."""
+    """Combines per-key futures (each resolving to ``True`` on success) into one ``Future[TaskResult]``;
+    ``on_finish`` (optional) runs once all keys are done, just before the result is set (so whoever waits for the
+    task sees what it did, e.g. a log line)."""
 
-    def __init__(self, num_keys: int, what: str) -> None:
+    def __init__(self, num_keys: int, what: str, on_finish: Callable[[], None] | None = None) -> None:
         self.future: Future[TaskResult] = Future()
         self._num_keys = num_keys
         self._what = what
+        self._on_finish = on_finish
         self._remaining = num_keys
         self._failed: set[int] = set()
         self._lock = threading.Lock()
@@ -185,6 +197,11 @@ class _Gather:
             self._remaining -= 1
             finished = self._remaining == 0
         if finished:
+            if self._on_finish is not None:
+                try:
+                    self._on_finish()
+                except Exception:  # a bug in a log line must not hang the task
+                    logger.exception("posix store: unexpected error finishing a %s", self._what)
             self.future.set_result(TaskResult(self._num_keys, frozenset(self._failed)))
 
 
@@ -208,8 +225,9 @@ class PosixStore(UcmKVStoreBase):
     Buffers follow the contract of :mod:`ucm.store.base`: CPU ``torch.uint8`` tensors
     ``[num_keys, block_nbytes]``, one row per key. Loads and dumps run on a thread pool, one file per job; with the
     ``aio`` engine the pool only opens files and queues their data transfer on an io_uring (see
-    :mod:`ucm.store.posix_uring`), whose reaper thread validates, closes and renames. See the module docstring for
-    the file format, fault handling and garbage collection.
+    :mod:`ucm.store.posix_uring`), whose reaper thread validates, closes and renames. KVfold files (written by a
+    ``Compress`` stage sharing the directories) are read too and decoded into their rows (see :meth:`load`). See the
+    module docstring for the file format, fault handling and garbage collection.
 
     Args:
         storage_backends: one directory, several joined by ``':'``, or a sequence of directories. Missing
@@ -227,7 +245,8 @@ class PosixStore(UcmKVStoreBase):
         io_engine: ``"psync"``: the pool threads read and write with positional syscalls (``preadv``/``write``);
             ``"aio"``: block data moves through io_uring ``readv``/``writev`` with many blocks in flight (needs the
             ``liburing`` package and a kernel allowing io_uring), buffered or with ``io_direct``. Encoded blocks
-            (:meth:`load_encoded`) are read on the pool threads with either engine.
+            (:meth:`load_encoded`) and KVfold files met by :meth:`load` / :meth:`load_sharded` are read and decoded
+            on the pool threads with either engine.
         require_writable: refuse directories this process cannot write to (default). With ``False`` (a
             ``kv_consumer``, which only loads) a read-only directory (read-only mount or permissions) is accepted
             and only read: no namespace file, no temp clean-up or garbage collection there, and a damaged block in
@@ -289,6 +308,7 @@ class PosixStore(UcmKVStoreBase):
         self._tasks: set[Future[TaskResult]] = set()  # aio: tasks not done yet, which close waits for
         self._tasks_lock = threading.Lock()
         self._faults = _FaultLog()
+        self._lossy_logged = False
         self._ns_tag = 0
         # Capacity accounting: block bytes found by the last scan plus what this process wrote since.
         self._usage_lock = threading.Lock()
@@ -341,16 +361,28 @@ class PosixStore(UcmKVStoreBase):
         fails validation (header, size, key, trailing bytes, checksum) or on any ``OSError``. A block served
         refreshes its file's recency (atime) for garbage collection.
 
+        Raw files (codec ``CODEC_RAW``) are read straight into their rows. A KVfold file (codec ``CODEC_KVFOLD``,
+        written by a ``Compress`` stage) is read whole into a temporary buffer on a pool thread (with either
+        engine), checked as :meth:`load_encoded` does (header, key, exact size, checksum of the stored bytes), then
+        decoded into its row with :func:`ucm.store.kvfold.decode_block`: bit-exact for a lossless container; a
+        fixed-rate (``int8``, lossy) container decodes to its lossy values, exactly as the ``Compress`` stage reads
+        it (logged once at info level). A container that does not decode is damaged (a miss; removed); one that
+        decodes to another size than the row (another block size) or that this version does not know (container
+        version, mode or dtype) is foreign (a miss; kept). Files of other codecs are foreign. With
+        ``UC_LOGGER_LEVEL=debug``, a load that met KVfold files logs one line with how many blocks it decoded.
+
         Raises:
             TypeError / ValueError: bad keys or ``dst`` (see :func:`~ucm.store.base.check_keys_and_buffer`).
             RuntimeError: the store is closed.
         """
         check_keys_and_buffer(keys, dst, "dst")
+        tally = _DecodeTally()
         return self._submit_all(
             keys,
-            lambda i: self._load_one(keys[i], dst[i]),
-            lambda i, done: self._load_start(keys[i], dst[i], done),
+            lambda i: self._load_one(keys[i], dst[i], tally),
+            lambda i, done: self._load_start(keys[i], dst[i], done, tally),
             "load",
+            lambda: self._log_decodes(tally, len(keys)),
         )
 
     def load_sharded(
@@ -369,6 +401,15 @@ class PosixStore(UcmKVStoreBase):
         a caller that uses them early must drop a row that the task's result names as failed. ``progress``: as in
         :meth:`~ucm.store.base.UcmKVStoreBase.load_sharded`.
 
+        KVfold files (codec ``CODEC_KVFOLD``): the run that opens a file whose size is not the raw block's reads its
+        header; for a KVfold file it reads the whole file and decodes it into the row as :meth:`load` does, holding
+        the key's other runs until it is done (they then read nothing), so none of the row's shards is reported
+        before the decoded bytes are in it (the layerwise connector scatters shards as they are reported and does
+        not scatter a valid row again). A KVfold file of exactly the raw file's size (possible in principle for a
+        barely compressible lossless block) is only recognized from the header read with shard 0, after other
+        shards of the row may have been reported with the file's compressed bytes: such a row is reported failed
+        (a miss; the file is kept and :meth:`load` decodes it), never as loaded.
+
         Raises:
             TypeError / ValueError: bad keys or ``dst`` (see :func:`~ucm.store.base.check_keys_and_buffer`), or
                 ``num_shards`` not dividing the row size.
@@ -382,10 +423,11 @@ class PosixStore(UcmKVStoreBase):
             raise RuntimeError("PosixStore is closed")
         if progress is None:
             progress = ShardProgress(num_shards, len(keys))
-        gather = _Gather(len(keys), "load")
+        tally = _DecodeTally()
+        gather = _Gather(len(keys), "load", lambda: self._log_decodes(tally, len(keys)))
         per_read = max(1, -(-SHARDED_READ_BYTES // shard_nbytes))  # shards per read
         ranges = [(a, min(a + per_read, num_shards)) for a in range(0, num_shards, per_read)]
-        reads = [_ShardedRead(key, self.block_path(key), dst[i], len(ranges)) for i, key in enumerate(keys)]
+        reads = [_ShardedRead(key, self.block_path(key), dst[i], len(ranges), tally) for i, key in enumerate(keys)]
         for i, read in enumerate(reads):
             gather.add(i, read.future)
         for first, stop in ranges:
@@ -595,15 +637,16 @@ class PosixStore(UcmKVStoreBase):
         job: Callable[[int], bool],
         aio_job: Callable[[int, Future[bool]], None],
         what: str,
+        on_finish: Callable[[], None] | None = None,
     ) -> Task:
         """Run ``job(i)`` (psync: the whole transfer, returns success) or ``aio_job(i, done)`` (aio: opens and
         queues the transfer; ``done`` is resolved by the job on an early failure, else by the io_uring reaper) for
-        every key on the pool."""
+        every key on the pool; ``on_finish`` as in :class:`_Gather`."""
         if self._closed:
             raise RuntimeError("PosixStore is closed")
         if not keys:
             return Task.completed(TaskResult(0))
-        gather = _Gather(len(keys), what)
+        gather = _Gather(len(keys), what, on_finish)
         if self._uring is not None:
             with self._tasks_lock:
                 self._tasks.add(gather.future)
@@ -767,7 +810,7 @@ class PosixStore(UcmKVStoreBase):
             return self._dump_failed(key, path, tmp, fd, exc)
         return self._dump_succeeded(total)
 
-    def _load_one(self, key: bytes, row: torch.Tensor) -> bool:
+    def _load_one(self, key: bytes, row: torch.Tensor, tally: _DecodeTally) -> bool:
         path = self.block_path(key)
         payload = row.numpy().data.cast("B")
         flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
@@ -778,6 +821,8 @@ class PosixStore(UcmKVStoreBase):
             try:
                 stat = os.fstat(fd)
                 reason = _read_validated(fd, stat.st_size, key, payload, self._direct)
+                if reason == _KVFOLD_FILE:  # read it whole and decode it (the raw read above got the header only)
+                    reason = tally.add(_read_decoded(fd, stat.st_size, key, row, self._direct))
                 if reason is None:
                     _touch(fd, stat)
             finally:
@@ -795,7 +840,7 @@ class PosixStore(UcmKVStoreBase):
         got, error = 0, None
         error_or_bug: BaseException | None = None
         try:
-            fd = read.open(os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0))
+            fd = read.open(os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0), self._direct)
             if fd is not None:
                 piece = read.payload[first * shard_nbytes : stop * shard_nbytes]
                 if first == 0:
@@ -820,9 +865,20 @@ class PosixStore(UcmKVStoreBase):
             read.future.set_exception(read.error)
             return
         reason: str | OSError | None = read.error
-        if reason is None:
+        if reason is None and read.decoded is not None:  # a KVfold file, read and decoded when opened
+            reason = read.tally.add(read.decoded)
+            if reason is None:
+                assert read.stat is not None
+                with contextlib.suppress(OSError):
+                    os.utime(read.path, ns=(time.time_ns(), read.stat.st_mtime_ns))
+        elif reason is None:
             assert read.stat is not None
             reason = _check_block(read.key, read.payload, read.stat.st_size, read.got, read.header)
+            if reason == _KVFOLD_FILE:  # of the raw size: recognized only now, after its shards were reported
+                reason = (
+                    f"{_FOREIGN}codec {CODEC_KVFOLD} (KVfold) file of the raw block's size met by a sharded load "
+                    "after its shards were handed out; a whole-block load decodes it"
+                )
             if reason is None:
                 with contextlib.suppress(OSError):
                     os.utime(read.path, ns=(time.time_ns(), read.stat.st_mtime_ns))
@@ -847,11 +903,13 @@ class PosixStore(UcmKVStoreBase):
             reason = exc
         return self._load_outcome(key, path, reason, stat)
 
-    def _load_start(self, key: bytes, row: torch.Tensor, done: Future[bool]) -> None:
+    def _load_start(self, key: bytes, row: torch.Tensor, done: Future[bool], tally: _DecodeTally) -> None:
         """aio load, on a pool thread: open the file and queue one ``readv`` of header + payload (header only when
         the size is wrong, to tell a foreign file from a damaged one); the reaper finishes in :meth:`_load_complete`.
         With ``io_direct`` the file is opened with ``O_DIRECT`` and read in whole ``DIRECT_ALIGN`` units into an
         aligned buffer of the operation's own, given back at completion once the payload is validated and copied out.
+        A KVfold file (found by the reaper from the header) is read again whole and decoded on a pool thread
+        (:meth:`_load_decoded`), not on the reaper.
         """
         assert self._uring is not None
         path = self.block_path(key)
@@ -881,7 +939,14 @@ class PosixStore(UcmKVStoreBase):
                 finally:
                     if aligned is not None and pool is not None:
                         pool.release(aligned)
-                done.set_result(ok)
+                if ok is None:  # a KVfold file: decode it on a pool thread (close waits for the task: pool open)
+
+                    def decode(_i: int, d: Future[bool]) -> None:
+                        d.set_result(self._load_decoded(key, path, row, tally))
+
+                    self._pool.submit(_resolve_on_error, decode, 0, done)
+                else:
+                    done.set_result(ok)
 
             self._uring.submit(fd, bufs, 0, False, complete)
         except OSError as exc:
@@ -905,15 +970,18 @@ class PosixStore(UcmKVStoreBase):
         payload: memoryview,
         res: int,
         aligned: memoryview | None = None,
-    ) -> bool:
+    ) -> bool | None:
         """aio load, on the reaper: ``res`` is the ``readv`` result (a short read is a file that shrank). With
         ``aligned`` (an ``O_DIRECT`` read into that buffer, ``header`` its first bytes) the payload is copied from it
-        into ``payload`` once the header checks pass (see :func:`_check_block`)."""
+        into ``payload`` once the header checks pass (see :func:`_check_block`). Returns the key's success, or
+        ``None`` for a KVfold file (its header read): the caller has it decoded with :meth:`_load_decoded`."""
         reason: str | OSError | None
         try:
             if res < 0:
                 raise OSError(-res, os.strerror(-res))
             reason = _check_block(key, payload, stat.st_size, res, header, aligned)
+            if reason == _KVFOLD_FILE:
+                return None
             if reason is None:
                 _touch(fd, stat)
         except OSError as exc:
@@ -921,6 +989,47 @@ class PosixStore(UcmKVStoreBase):
         finally:
             os.close(fd)
         return self._load_outcome(key, path, reason, stat)
+
+    def _load_decoded(self, key: bytes, path: str, row: torch.Tensor, tally: _DecodeTally) -> bool:
+        """Read ``key``'s block file (at ``path``) whole and decode it into ``row`` (see :func:`_read_decoded`);
+        the aio engine's path for KVfold files, on a pool thread. Returns the key's success."""
+        reason: str | OSError | None
+        stat: os.stat_result | None = None
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0))
+            try:
+                stat = os.fstat(fd)
+                reason = tally.add(_read_decoded(fd, stat.st_size, key, row, self._direct))
+                if reason is None:
+                    _touch(fd, stat)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            reason = exc
+        return self._load_outcome(key, path, reason, stat)
+
+    def _log_decodes(self, tally: _DecodeTally, num_keys: int) -> None:
+        """End of a load: with KVfold files met, one debug line (blocks decoded), and the first lossy one logged once
+        at info level."""
+        if not tally.met:
+            return
+        logger.debug(
+            "posix store: load of %d blocks: %d KVfold blocks decoded (%d lossy int8), %d not decodable, "
+            "%d -> %d bytes, %.1f ms reading and decoding them",
+            num_keys,
+            tally.decoded,
+            tally.lossy,
+            tally.met - tally.decoded,
+            tally.stored_nbytes,
+            tally.raw_nbytes,
+            tally.seconds * 1e3,
+        )
+        if tally.lossy and not self._lossy_logged:
+            self._lossy_logged = True
+            logger.info(
+                "posix store: loaded blocks stored lossy by a Compress stage (compress_mode: fixed_rate, int8); they "
+                "decode to their lossy values"
+            )
 
     def _load_outcome(self, key: bytes, path: str, reason: str | OSError | None, stat: os.stat_result | None) -> bool:
         """A load's end, either engine: ``reason`` is ``None`` (valid block), an ``OSError`` (missing file: debug;
@@ -950,33 +1059,43 @@ class _ShardedRead:
     """One key of a :meth:`PosixStore.load_sharded`: its file (opened once, by its first run to start), where its
     shards go and what their reads found."""
 
-    def __init__(self, key: bytes, path: str, row: torch.Tensor, num_runs: int) -> None:
+    def __init__(self, key: bytes, path: str, row: torch.Tensor, num_runs: int, tally: _DecodeTally) -> None:
         self.key = key
         self.path = path
+        self.row = row
         self.payload = row.numpy().data.cast("B")
         self.header = memoryview(bytearray(HEADER_NBYTES))
         self.stat: os.stat_result | None = None  # at open
         self.future: Future[bool] = Future()
         self.got = 0  # header and payload bytes read, over all runs
         self.error: BaseException | None = None  # the first failure (the open's, when it failed)
+        self.decoded: _Decoded | None = None  # a KVfold file: read whole and decoded by open
+        self.tally = tally
         self._fd = -1
         self._remaining = num_runs
         self._lock = threading.Lock()
 
-    def open(self, flags: int) -> int | None:
+    def open(self, flags: int, direct: _AlignedBuffers | None) -> int | None:
         """The block file's fd, opened (and ``fstat``-ed) by the first caller; ``None`` when the key has already
-        failed (later runs need not be read). Raises the ``OSError`` of a failed open."""
+        failed or was decoded (later runs need not be read). A file of another size than the raw block's that is a
+        KVfold file is read whole and decoded into the row by the first caller, under the lock (the key's other runs
+        wait, so no shard of the row is reported before its decoded bytes are in). Raises the ``OSError`` of a
+        failed open or read."""
         with self._lock:
-            if self.error is not None:
+            if self.error is not None or self.decoded is not None:
                 return None
             if self._fd < 0:
                 fd = os.open(self.path, flags)
                 try:
                     self.stat = os.fstat(fd)
+                    if self.stat.st_size != HEADER_NBYTES + self.payload.nbytes:
+                        self.decoded = _read_decoded_if_kvfold(fd, self.stat.st_size, self.key, self.row, direct)
                 except BaseException:
                     os.close(fd)
                     raise
                 self._fd = fd
+                if self.decoded is not None:
+                    return None
             return self._fd
 
     def run_read(self, got: int, error: BaseException | None) -> bool:
@@ -1038,6 +1157,127 @@ class _FaultLog:
 # Reasons that may mean "another UCM version's block" or a caller's size mismatch rather than damage: such files are
 # left in place.
 _FOREIGN = "foreign: "
+# _check_block's reason for a KVfold file (codec 1): a plain load reads it whole and decodes it. Foreign-prefixed so
+# that a caller not handling it keeps the file.
+_KVFOLD_FILE = f"{_FOREIGN}codec {CODEC_KVFOLD} (KVfold container)"
+
+
+def _kvfold_max_nbytes(block_nbytes: int) -> int:
+    """Most stored bytes read for a KVfold file of a ``block_nbytes``-byte block (as the Compress stage reads: a
+    container is at most the raw size plus its headers, incompressible planes being stored raw); a larger file is
+    foreign."""
+    return 2 * block_nbytes + (1 << 16)
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    """What reading and decoding one KVfold file found: ``reason`` (``None``: the row holds the decoded block),
+    ``stored_nbytes`` (the container's bytes, 0 when not read), ``raw_nbytes`` (the row's, when decoded), ``mode``
+    (the container's, when decoded), and ``seconds`` spent reading and decoding."""
+
+    reason: str | None
+    stored_nbytes: int = 0
+    raw_nbytes: int = 0
+    mode: str | None = None
+    seconds: float = 0.0
+
+
+class _DecodeTally:
+    """The KVfold files one load met (for its debug line). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.met = 0  # KVfold files whose whole read was attempted
+        self.decoded = 0
+        self.lossy = 0  # decoded from int8 (fixed_rate) containers
+        self.stored_nbytes = 0
+        self.raw_nbytes = 0
+        self.seconds = 0.0
+
+    def add(self, decoded: _Decoded) -> str | None:
+        """Count ``decoded``; return its reason."""
+        with self._lock:
+            self.met += 1
+            self.seconds += decoded.seconds
+            if decoded.reason is None:
+                self.decoded += 1
+                self.lossy += decoded.mode == "int8"
+                self.stored_nbytes += decoded.stored_nbytes
+                self.raw_nbytes += decoded.raw_nbytes
+        return decoded.reason
+
+
+def _read_decoded(fd: int, size: int, key: bytes, row: torch.Tensor, direct: _AlignedBuffers | None) -> _Decoded:
+    """Read the whole block file ``fd`` of ``size`` bytes (from ``fstat``) into a temporary buffer, check it as
+    :func:`_read_encoded` does (magic, version, key, exact size, checksum of the stored bytes; a payload over
+    :func:`_kvfold_max_nbytes` is foreign) and decode it into ``row`` (contiguous CPU uint8 ``[block_nbytes]``, the
+    expected block) by its codec.
+
+    KVfold (the case this is for): :func:`ucm.store.kvfold.decode_block`, bit-exact for lossless containers, the
+    lossy values for int8 (fixed-rate) ones. A container that this version does not know (container version, mode
+    or dtype: another UCM) or that describes another block size is foreign (kept); one that fails to decode is
+    damaged. A raw file (the file was replaced since its header was read) of the row's size is copied. Other codecs
+    are foreign. ``row`` is unspecified unless the reason is ``None``.
+
+    Raises:
+        OSError: reading the file failed.
+    """
+    t0 = time.perf_counter()
+    reason, block = _read_encoded(fd, size, key, _kvfold_max_nbytes(row.numel()), direct)
+    if block is None:
+        return _Decoded(reason, seconds=time.perf_counter() - t0)
+    reason, mode = _decode_into(block, row)
+    raw_nbytes = row.numel() if reason is None else 0
+    return _Decoded(reason, len(block.payload), raw_nbytes, mode, time.perf_counter() - t0)
+
+
+def _read_decoded_if_kvfold(
+    fd: int, size: int, key: bytes, row: torch.Tensor, direct: _AlignedBuffers | None
+) -> _Decoded | None:
+    """For a sharded load's file of another size than the raw block's: read its header; for a KVfold file, read
+    and decode it whole (:func:`_read_decoded`), else ``None`` (the sharded reads go on and validation tells a
+    foreign file from a damaged one, as for any file).
+
+    Raises:
+        OSError: reading the file failed.
+    """
+    header = memoryview(bytearray(HEADER_NBYTES))
+    if _pread_range(fd, [header], 0, direct) < HEADER_NBYTES:
+        return None
+    magic, version, codec = HEADER.unpack(header)[:3]
+    if (magic, version, codec) != (MAGIC, FORMAT_VERSION, CODEC_KVFOLD):
+        return None
+    return _read_decoded(fd, size, key, row, direct)
+
+
+def _decode_into(block: EncodedBlock, row: torch.Tensor) -> tuple[str | None, str | None]:
+    """Decode a checked stored ``block`` into ``row`` (see :func:`_read_decoded`); return ``(reason, mode)``:
+    ``reason`` ``None`` when ``row`` holds the block, ``mode`` the container's (``"lossless"``, ``"int8"``) or
+    ``"raw"``."""
+    if block.codec == CODEC_RAW:
+        if len(block.payload) != row.numel():
+            return f"{_FOREIGN}payload is {len(block.payload)} bytes, expected {row.numel()}", None
+        row.numpy()[:] = memoryview(block.payload)
+        return None, "raw"
+    if block.codec != CODEC_KVFOLD:
+        return f"{_FOREIGN}codec {block.codec}, expected {CODEC_RAW} (raw) or {CODEC_KVFOLD} (KVfold)", None
+    # Imported here: the codec pulls in its kernels (numba, triton), which a store of raw files never needs.
+    from ucm.store.kvfold import decode_block, read_container_header
+
+    try:
+        head = read_container_header(block.payload)
+        if not head.known:
+            return (
+                f"{_FOREIGN}KVfold container version {head.version}, mode {head.mode_code}, dtype {head.dtype_code}: "
+                "not one this version decodes",
+                None,
+            )
+        if head.block_nbytes != row.numel():
+            return f"{_FOREIGN}KVfold container of a {head.block_nbytes}-byte block, expected {row.numel()}", None
+        mode: str = decode_block(block.payload, row)
+    except BlockCorruptedError as exc:
+        return f"KVfold container does not decode: {exc}", None
+    return None, mode
 
 
 @dataclass(frozen=True)
@@ -1227,7 +1467,8 @@ def _check_block(
     The reader read ``got`` bytes of a ``size``-byte file: header and payload (into ``payload``, or into ``aligned``
     at offset ``HEADER_NBYTES`` for ``O_DIRECT`` reads: copied to ``payload`` once the header checks pass) when
     ``size`` is the expected one, else the header only. Fewer bytes than that means the file shrank. A reason
-    starting with ``"foreign: "`` (another version, codec or block size) means the file is to be kept.
+    starting with ``"foreign: "`` (another version, codec or block size) means the file is to be kept;
+    ``_KVFOLD_FILE`` (which starts so too) means a KVfold file, to be read whole and decoded (:func:`_read_decoded`).
     """
     expected = HEADER_NBYTES + payload.nbytes
     want = expected if size == expected else HEADER_NBYTES
@@ -1240,8 +1481,10 @@ def _check_block(
         return f"bad magic {bytes(magic)!r}, expected {MAGIC!r}"
     if version != FORMAT_VERSION:
         return f"{_FOREIGN}format version {version}, expected {FORMAT_VERSION}"
+    if codec == CODEC_KVFOLD:  # the caller reads it whole and decodes it (see _read_decoded)
+        return _KVFOLD_FILE
     if codec != CODEC_RAW:
-        return f"{_FOREIGN}codec {codec}, expected {CODEC_RAW} (raw)"
+        return f"{_FOREIGN}codec {codec}, expected {CODEC_RAW} (raw) or {CODEC_KVFOLD} (KVfold)"
     if nbytes != payload.nbytes:  # a caller's size mismatch must not destroy a block: keep the file
         return f"{_FOREIGN}payload is {nbytes} bytes, expected {payload.nbytes}"
     if file_key != key:
