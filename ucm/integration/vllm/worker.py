@@ -8,7 +8,8 @@ is the only part the step waits for, so vLLM may reuse the blocks as soon as it 
 Layerwise (``use_layerwise: true``), per step:
 - ``start_load_kv`` starts a sharded load (``UcmKVStoreBase.load_sharded``, one shard per layer) and returns at once;
   ``wait_for_layer_load(layer i)``, called by vLLM just before layer i's attention, waits for shard i of every
-  block and scatters that layer only, while the store is still reading the later layers. Blocks are validated when
+  block and scatters that layer (with any later layer already in, in the same launch), while the store is still
+  reading the later layers. Blocks are validated when
   all their layers are in (the end of the step at the latest, in ``wait_for_save``): a block that then fails
   (damaged, vanished) was already scattered, so it is reported through ``get_block_ids_with_load_errors`` like
   any failed load, and vLLM discards the step's output for the requests using it and recomputes them (vLLM's
