@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,3 +21,13 @@ def store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[PosixStore
     s = PosixStore(str(tmp_path / "kv"), io_direct=io_direct, io_engine=io_engine)
     yield s
     s.close()
+
+
+@pytest.fixture
+def ucm_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Capture UCM's log records (the ``ucm`` logger does not propagate to the root logger)."""
+    ucm_logger = logging.getLogger("ucm")
+    ucm_logger.addHandler(caplog.handler)
+    caplog.set_level(logging.DEBUG, logger="ucm")
+    yield caplog
+    ucm_logger.removeHandler(caplog.handler)

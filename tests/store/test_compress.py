@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,16 +57,6 @@ def compress_store(root: Path, **kw: object) -> CompressStore:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     return tmp_path / "kv"
-
-
-@pytest.fixture
-def ucm_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Capture UCM's log records (the ``ucm`` logger does not propagate to the root logger)."""
-    ucm_logger = logging.getLogger("ucm")
-    ucm_logger.addHandler(caplog.handler)
-    caplog.set_level(logging.DEBUG, logger="ucm")
-    yield caplog
-    ucm_logger.removeHandler(caplog.handler)
 
 
 def load_all(store: CompressStore | PosixStore, keys: list[bytes], nbytes: int) -> tuple[torch.Tensor, set[int]]:

@@ -55,16 +55,6 @@ def buffered_store(tmp_path: Path):
     s.close()
 
 
-@pytest.fixture
-def ucm_log(caplog: pytest.LogCaptureFixture):
-    """Capture UCM's log records (the ``ucm`` logger does not propagate to the root logger)."""
-    ucm_logger = logging.getLogger("ucm")
-    ucm_logger.addHandler(caplog.handler)
-    caplog.set_level(logging.DEBUG, logger="ucm")
-    yield caplog
-    ucm_logger.removeHandler(caplog.handler)
-
-
 def test_header_layout() -> None:
     assert HEADER_NBYTES == HEADER.size == 44
     assert FORMAT_VERSION == 1

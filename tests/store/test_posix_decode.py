@@ -51,16 +51,6 @@ def posix(root: Path, request: pytest.FixtureRequest) -> Iterator[PosixStore]:
     s.close()
 
 
-@pytest.fixture
-def ucm_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Capture UCM's log records (the ``ucm`` logger does not propagate to the root logger)."""
-    ucm_logger = logging.getLogger("ucm")
-    ucm_logger.addHandler(caplog.handler)
-    caplog.set_level(logging.DEBUG, logger="ucm")
-    yield caplog
-    ucm_logger.removeHandler(caplog.handler)
-
-
 def write_compressed(root: Path, keys: list[bytes], blocks: torch.Tensor, writer: dict[str, object]) -> torch.Tensor:
     """Dump ``blocks`` through a ``Compress|Posix`` store; return what that store itself loads back."""
     store = CompressStore(PosixStore(str(root)), **writer)  # type: ignore[arg-type]
