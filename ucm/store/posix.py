@@ -810,7 +810,10 @@ class PosixStore(UcmKVStoreBase):
             return self._dump_failed(key, path, tmp, fd, exc)
         return self._dump_succeeded(total)
 
-    def _load_one(self, key: bytes, row: torch.Tensor, tally: _DecodeTally) -> bool:
+    def _load_one(self, key: bytes, row: torch.Tensor, tally: _DecodeTally, kvfold: bool = False) -> bool:
+        """Read ``key``'s block file into ``row`` on this thread and validate it (a KVfold file is read whole and
+        decoded, see :func:`_read_decoded`); ``kvfold``: the file is known to be KVfold (the aio engine's reaper found
+        it from the header), so it is decoded straight away. Returns the key's success."""
         path = self.block_path(key)
         payload = row.numpy().data.cast("B")
         flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
@@ -820,7 +823,7 @@ class PosixStore(UcmKVStoreBase):
             fd = os.open(path, flags)
             try:
                 stat = os.fstat(fd)
-                reason = _read_validated(fd, stat.st_size, key, payload, self._direct)
+                reason = _KVFOLD_FILE if kvfold else _read_validated(fd, stat.st_size, key, payload, self._direct)
                 if reason == _KVFOLD_FILE:  # read it whole and decode it (the raw read above got the header only)
                     reason = tally.add(_read_decoded(fd, stat.st_size, key, row, self._direct))
                 if reason is None:
@@ -909,7 +912,7 @@ class PosixStore(UcmKVStoreBase):
         With ``io_direct`` the file is opened with ``O_DIRECT`` and read in whole ``DIRECT_ALIGN`` units into an
         aligned buffer of the operation's own, given back at completion once the payload is validated and copied out.
         A KVfold file (found by the reaper from the header) is read again whole and decoded on a pool thread
-        (:meth:`_load_decoded`), not on the reaper.
+        (:meth:`_load_one`), not on the reaper.
         """
         assert self._uring is not None
         path = self.block_path(key)
@@ -942,7 +945,7 @@ class PosixStore(UcmKVStoreBase):
                 if ok is None:  # a KVfold file: decode it on a pool thread (close waits for the task: pool open)
 
                     def decode(_i: int, d: Future[bool]) -> None:
-                        d.set_result(self._load_decoded(key, path, row, tally))
+                        d.set_result(self._load_one(key, row, tally, kvfold=True))
 
                     self._pool.submit(_resolve_on_error, decode, 0, done)
                 else:
@@ -974,7 +977,7 @@ class PosixStore(UcmKVStoreBase):
         """aio load, on the reaper: ``res`` is the ``readv`` result (a short read is a file that shrank). With
         ``aligned`` (an ``O_DIRECT`` read into that buffer, ``header`` its first bytes) the payload is copied from it
         into ``payload`` once the header checks pass (see :func:`_check_block`). Returns the key's success, or
-        ``None`` for a KVfold file (its header read): the caller has it decoded with :meth:`_load_decoded`."""
+        ``None`` for a KVfold file (its header read): the caller has it decoded with :meth:`_load_one`."""
         reason: str | OSError | None
         try:
             if res < 0:
@@ -988,24 +991,6 @@ class PosixStore(UcmKVStoreBase):
             reason = exc
         finally:
             os.close(fd)
-        return self._load_outcome(key, path, reason, stat)
-
-    def _load_decoded(self, key: bytes, path: str, row: torch.Tensor, tally: _DecodeTally) -> bool:
-        """Read ``key``'s block file (at ``path``) whole and decode it into ``row`` (see :func:`_read_decoded`);
-        the aio engine's path for KVfold files, on a pool thread. Returns the key's success."""
-        reason: str | OSError | None
-        stat: os.stat_result | None = None
-        try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0))
-            try:
-                stat = os.fstat(fd)
-                reason = tally.add(_read_decoded(fd, stat.st_size, key, row, self._direct))
-                if reason is None:
-                    _touch(fd, stat)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            reason = exc
         return self._load_outcome(key, path, reason, stat)
 
     def _log_decodes(self, tally: _DecodeTally, num_keys: int) -> None:
