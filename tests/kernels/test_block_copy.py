@@ -109,6 +109,33 @@ def check_all_ops(caches: list[torch.Tensor], layout: KVLayout, impl: str) -> No
     assert bits_equal(one[0].cpu(), want[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cpu_attn_split_over_threads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU path splits a CPU_ATTN copy of several MiB over ``torch.get_num_threads()`` threads (3 here: an
+    uneven split of the (block, layer, head) items); every op stays bit-exact into poisoned outputs."""
+    from ucm.kernels import _block_copy
+
+    pools: list[int] = []
+    real_pool = _block_copy._cpu_pool
+    monkeypatch.setattr(_block_copy, "_cpu_pool", lambda workers: pools.append(workers) or real_pool(workers))
+    gen = torch.Generator().manual_seed(5)
+    caches = [random_kv((10, 2, 128, 2 * 128), dtype, gen) for _ in range(7)]  # 7 layers, 2 heads, head_dim 128
+    ids = torch.tensor([8, 1, 3, 0, 5, 9, 2, 6])
+    layout = KVLayout.CPU_ATTN
+    torch.set_num_threads(3)  # the module fixture restores the count
+    ref = gather_blocks_reference(caches, ids, layout)
+    blocks = gather_blocks(caches, ids, layout, out=poisoned(tuple(ref.shape), dtype), impl="cpu")
+    assert bits_equal(blocks, ref)
+    assert bits_equal(gather_layers(caches, ids, layout, impl="cpu"), gather_layers_reference(caches, ids, layout))
+    want = [poisoned(tuple(c.shape), dtype) for c in caches]
+    scatter_blocks_reference(ref, want, ids, layout)
+    for fn, staging in ((scatter_blocks, blocks), (scatter_layers, blocks.transpose(0, 1))):
+        dst = poisoned_like(caches)
+        fn(staging, dst, ids, layout, impl="cpu")  # type: ignore[operator]
+        assert all(bits_equal(a, b) for a, b in zip(dst, want, strict=True))
+    assert pools == [2, 2, 2, 2], pools  # every op: the calling thread and 2 pool threads
+
+
 @pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=[lay.value for lay in ALL_LAYOUTS])
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 def test_repeated_ids(impl: str, layout: KVLayout) -> None:

@@ -31,7 +31,7 @@ from tests.kernels.kv_data import (
     random_kv,
     signed_bits,
 )
-from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, gather_blocks_reference
+from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, gather_blocks_reference, warm_up
 from ucm.kernels.layouts import int_view
 
 
@@ -136,6 +136,17 @@ def test_gather_single_block_single_layer() -> None:
     assert bits_equal(
         gather_blocks(caches, ids, KVLayout.CPU_ATTN), gather_blocks_reference(caches, ids, KVLayout.CPU_ATTN)
     )
+
+
+@layout_params
+def test_warm_up_leaves_the_caches_alone_and_checks_them(layout: KVLayout) -> None:
+    caches = random_caches(layout, torch.bfloat16, 16, 2, 64, seed=6)
+    before = [c.clone() for c in caches]
+    warm_up(caches, layout)
+    assert all(bits_equal(a, b) for a, b in zip(caches, before, strict=True))
+    warm_up([], layout)  # nothing registered: nothing to do
+    with pytest.raises(ValueError, match="impl must be one of"):
+        warm_up(caches, layout, impl="fast")  # type: ignore[arg-type]
 
 
 # -- validation: errors name the bad value ---------------------------------------------------------------------------

@@ -28,7 +28,10 @@ the element size (never seen with torch allocations) fall back to one launch per
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
@@ -45,10 +48,8 @@ def resolve_impl(impl: str, device: torch.device, layout: KVLayout) -> str:
     """The implementation ``impl`` names for tensors on ``device`` in ``layout``.
 
     ``auto`` is Triton on CUDA and the torch path on other non-CPU devices. On CPU it is the CPU fast path
-    (memmove runs; numba tile transpose for CPU_ATTN), except CPU_ATTN when torch runs more than one thread: the
-    numba kernels are single-threaded (see ``_numba_copy``) and torch's two-thread strided copy was as fast for
-    gather and faster for scatter on the SmolLM2 shape (8.5 vs 8.5 ms, 8.1 vs 13.3 ms, 2 cores). ``triton`` on
-    CPU tensors runs the Triton interpreter.
+    (memmove runs; numba tile transposes for CPU_ATTN, on up to ``torch.get_num_threads()`` threads). ``triton``
+    on CPU tensors runs the Triton interpreter.
 
     Raises:
         ValueError: ``impl`` is not one of ``IMPLS``, or ``cpu`` for a non-CPU tensor.
@@ -57,7 +58,7 @@ def resolve_impl(impl: str, device: torch.device, layout: KVLayout) -> str:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     if impl == "auto":
         if device.type == "cpu":
-            return "torch" if layout == KVLayout.CPU_ATTN and torch.get_num_threads() > 1 else "cpu"
+            return "cpu"
         return "triton" if device.type == "cuda" else "torch"
     if impl == "cpu" and device.type != "cpu":
         raise ValueError(f"impl='cpu' needs CPU tensors, got device {device}")
@@ -302,8 +303,9 @@ def _numba_kernels() -> Any:
 def _copy_cpu(
     kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, layout: KVLayout, staging: torch.Tensor, gather: bool
 ) -> None:
-    """CPU fast path. FLASH_NHD / MLA: one ``memmove`` per contiguous run. CPU_ATTN: single-threaded numba kernels
-    (see ``_numba_copy``); 2-byte dtypes in 8-byte words with 4x4 tile transposes for K, element loops otherwise."""
+    """CPU fast path. FLASH_NHD / MLA: one ``memmove`` per contiguous run. CPU_ATTN: numba kernels (see
+    ``_numba_copy``; 2-byte dtypes in 8-byte words with 4x4 tile transposes for K, element loops otherwise), the
+    ``(block, layer, head)`` work items split over up to ``torch.get_num_threads()`` threads, one per MiB moved."""
     num_blocks, block_size, num_kv_heads, head_dim = _geometry(kv_caches[0], layout)
     esize = kv_caches[0].element_size()
     addrs = [c.data_ptr() for c in kv_caches]
@@ -326,8 +328,8 @@ def _copy_cpu(
     )
     w = 4 if words else 1  # elements per word
     word = np.dtype(np.uint64) if words else np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[esize])
-    fn = nk.cpu_attn_words if words else nk.cpu_attn_elements
-    fn(
+    fn: Callable[..., None] = nk.cpu_attn_words if words else nk.cpu_attn_elements
+    args = (
         np.array(addrs, dtype=np.int64),
         kv_caches[0].numel() // w,
         staging.data_ptr(),
@@ -341,6 +343,37 @@ def _copy_cpu(
         block_size // w,
         gather,
     )
+    items = ids.numel() * len(kv_caches) * num_kv_heads  # (block, layer, head) work items
+    nbytes = items * 2 * block_size * head_dim * esize
+    workers = min(torch.get_num_threads(), items, max(1, nbytes // _CPU_BYTES_PER_THREAD))
+    if workers <= 1:
+        fn(*args, 0, items)
+        return
+    slices = list(itertools.pairwise(items * k // workers for k in range(workers + 1)))
+    pool = _cpu_pool(workers - 1)  # the calling thread does the first slice
+    futures = [pool.submit(fn, *args, lo, hi) for lo, hi in slices[1:]]
+    fn(*args, *slices[0])
+    for f in futures:
+        f.result()
+
+
+# Bytes below which a CPU_ATTN copy runs on the calling thread only (thread hand-off costs ~50-100 us).
+_CPU_BYTES_PER_THREAD = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _cpu_pool(workers: int) -> ThreadPoolExecutor:
+    """The process-wide pool running CPU_ATTN kernel slices besides the calling thread's (numba kernels release the
+    GIL), grown to ``workers`` threads. Plain threads, not numba's parallel layers: those change the calling
+    thread's OpenMP state, which vLLM's CPU attention checks (see ``_numba_copy``)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="ucm-kernel")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
 
 
 def _copy_chunks_memmove(

@@ -30,7 +30,7 @@ import torch
 from ucm.hashing import rank_keys
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, UCMWorkerMetadata
-from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks, scatter_layers
+from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks, scatter_layers, warm_up
 from ucm.logger import init_logger
 from ucm.sparse import invalidate_blocks
 from ucm.store.base import Task, UcmKVStoreBase
@@ -115,13 +115,17 @@ class UCMWorker:
             raise ValueError(f"kv_caches lacks layers {missing[:4]}... of the KV spec")
         self._kv_caches = [kv_caches[name] for name in self._spec.layer_names]
         self._layout = self._layout_fn(self._kv_caches[0])
+        t0 = time.perf_counter()
+        warm_up(self._kv_caches, self._layout)  # the kernels' first-call cost (numba on CPU: ~1 s), not on a TTFT
         logger.info(
-            "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block, %s transfer",
+            "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block, %s transfer (kernels ready "
+            "in %.0f ms)",
             len(self._kv_caches),
             self._layout.value,
             self._spec.block_size,
             self._spec.block_nbytes / 2**20,
             "layerwise" if self._layerwise else "blockwise",
+            (time.perf_counter() - t0) * 1e3,
         )
 
     def _staging(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
