@@ -1,8 +1,8 @@
 """Store bandwidth: dump and load GB/s of the real UCM stores against raw file I/O of the same bytes.
 
 Run ``python benchmarks/store_bandwidth.py [--total-gb 2] [--repeats 3] [--dir DIR] [--io-engine psync|aio]
-[--io-direct]``. GB = 1e9 bytes; GB/s counts block payload bytes only (the store's 44-byte file headers are not
-counted, so they count against the store).
+[--io-direct]``. GB = 1e9 bytes; GB/s counts block payload bytes only (the store's 44-byte file headers
+are not counted, so they count against the store).
 
 Block sizes (block_size 128, bf16): a Llama-8B block, 32 layers x 2 (K, V) x 128 tokens x 8 KV heads x 128 head_dim
 x 2 bytes = 16 MiB, and one layer of it (a layerwise shard), 512 KiB. ``--total-gb`` of blocks of each size (whole
@@ -27,11 +27,16 @@ refuses is reported as ``{"unsupported": <reason>}`` for that store; the raw bas
 Raw baseline, same bytes, same directory, same run, one thread, plain ``open`` / ``write`` / ``read`` / ``close``
 (``O_DIRECT`` when ``--io-direct`` is given and the file system takes it; ``raw_io`` says which): ``write_files``
 (one file per block), ``write_bigfile`` (all blocks into one file, one ``write`` per block), their ``_synced``
-variants, and ``read_files_cold`` / ``read_bigfile_cold`` / ``read_files_warm`` / ``read_bigfile_warm``. ``ratios``
-divide each store figure by the raw figure of the same kind (``dump`` by ``write_*``, ``load_cold`` by
-``read_*_cold``, ...); ``posix_below_0.9x_raw`` lists the ``Posix`` dump and cold-load ratios under the issue's
-0.9 target. The raw baseline is sequential (one thread) while ``Posix`` runs ``posix_io_threads`` files at once, so
-a ratio above 1 (typically cold loads, where the disk serves several requests at once) is the store's parallelism.
+variants, and ``read_files_cold`` / ``read_bigfile_cold`` / ``read_files_warm`` / ``read_bigfile_warm``.
+
+Ratios are *paired*: each repeat divides each store figure by the raw figure of the same kind measured in the same
+repeat (``dump`` by ``write_*``, ``load_cold`` and ``load_layerwise_cold`` by ``read_*_cold``, ...), and ``ratios``
+is the median of those per-repeat ratios (the per-repeat values are in ``ratio_samples``); ``ratios_of_medians`` is
+the store's median GB/s over the raw median GB/s, which pairs samples from different repeats and so different
+machine states. ``posix_below_0.9x_raw`` lists the ``Posix`` dump and cold-load paired ratios (``ratios``) under the
+issue's 0.9 target. The raw baseline is sequential (one thread) while ``Posix`` runs ``posix_io_threads`` files at
+once, so a ratio above 1 (typically cold loads, where the disk serves several requests at once) is the store's
+parallelism.
 
 Page cache: ``--page-cache auto`` (default) writes ``3`` to ``/proc/sys/vm/drop_caches`` after a sync (needs root;
 drops the whole machine's page cache) and, if that is refused or does not empty a probe file's pages (checked with
@@ -39,6 +44,17 @@ drops the whole machine's page cache) and, if that is refused or does not empty 
 ``syncfs``. ``--page-cache drop_caches|fadvise_dontneed`` forces one method; the JSON says which was used and
 whether the probe confirmed it. Before every write phase the file system is synced, so earlier dirty pages do not
 slow it.
+
+Phase order: in every repeat all write phases (``raw write_files``, ``raw write_bigfile``, then each store's
+``dump``) run before all read phases (``raw read_files``, ``raw read_bigfile``, then each store's ``load`` and
+``load_layerwise_cold``; a read phase is its cold read followed by its warm read of the same files), and each of the
+two lists is rotated left by the repeat index, so that over as many repeats as there are phases every phase runs
+once in every position; ``phase_orders`` in the JSON gives the order of every repeat. Why: on the dev VM
+(Firecracker) 16 MiB writes into the page cache ran either at ~3.5-7 or at ~0.3-1.2 GB/s for the same code, the
+first write phase of a repeat mostly fast and the last mostly slow (see the README, "Store bandwidth"); with a fixed
+order, a phase's position decided its figure. The rotation gives every phase every position (``--repeats`` a
+multiple of the number of write phases, ``2 + stores``, completes it), and a paired ratio compares a store with the
+raw I/O of the same repeat.
 
 Every figure is the median over ``--repeats`` repeats (the samples are in the JSON too). Human-readable lines come
 first; the LAST line printed is one JSON object with every figure and ratio.
@@ -62,7 +78,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -83,6 +99,7 @@ LAYER_SHARD = LLAMA8B_BLOCK // 32  # 512 KiB
 BLOCKS = {"llama8b_block_16MiB": LLAMA8B_BLOCK, "layer_shard_512KiB": LAYER_SHARD}
 STORES = ("Posix", "Cache|Posix")
 PROBE_NBYTES = 32 * MIB
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------ file system helpers
@@ -368,6 +385,12 @@ def timed(fn: Callable[..., object], *args: Any) -> float:
     return time.perf_counter() - t0
 
 
+def rotated(phases: Sequence[T], rep: int) -> list[T]:
+    """``phases`` rotated left by ``rep``: over ``len(phases)`` repeats, every phase runs once in every position."""
+    k = rep % len(phases) if phases else 0
+    return [*phases[k:], *phases[:k]]
+
+
 class Samples:
     """Per-figure samples (seconds) over the repeats of one block size."""
 
@@ -419,6 +442,7 @@ class BlockBench:
         self.stores = {name: Samples() for name in supported}
         self.failed_keys = dict.fromkeys(supported, 0)
         self.problems: list[str] = []
+        self.orders: list[dict[str, list[str]]] = []  # per repeat: the write phases and read phases, in run order
 
     def run(self) -> dict[str, Any]:
         print(
@@ -438,9 +462,12 @@ class BlockBench:
             figures = self.stores[name].gbps(self.nbytes)
             if self.failed_keys[name]:
                 self.problems.append(f"{self.label} {name}: {self.failed_keys[name]} failed keys over all repeats")
+            paired = paired_ratios(self.stores[name].seconds, self.raw.seconds)
             stores[name] = {
                 "gbps": figures,
-                "ratios": ratios(figures, raw_gbps),
+                "ratios": {key: round(statistics.median(rs), 3) for key, rs in paired.items()},
+                "ratio_samples": {key: [round(r, 3) for r in rs] for key, rs in paired.items()},
+                "ratios_of_medians": ratios(figures, raw_gbps),
                 "failed_keys": self.failed_keys[name],
                 "samples_gbps": self.stores[name].samples_gbps(self.nbytes),
             }
@@ -456,6 +483,7 @@ class BlockBench:
             "blocks_per_call": self.per_batch,
             "raw_gbps": raw_gbps,
             "raw_samples_gbps": self.raw.samples_gbps(self.nbytes),
+            "phase_orders": self.orders,
             "stores": stores,
         }
 
@@ -469,15 +497,13 @@ class BlockBench:
         files.mkdir()
 
         # -- writes: the file system synced first, so that earlier dirty pages do not slow the phase
-        sync_fs(work)
-        t = timed(raw_write_files, files, self.src_rows, direct)
-        raw.add("write_files", t)
-        raw.add("write_files_synced", t + timed(sync_fs, work))
-        sync_fs(work)
-        t = timed(raw_write_bigfile, bigfile, self.src_rows, direct)
-        raw.add("write_bigfile", t)
-        raw.add("write_bigfile_synced", t + timed(sync_fs, work))
-        for name in self.supported:
+        def raw_write(figure: str, write: Callable[[], object]) -> None:
+            sync_fs(work)
+            t = timed(write)
+            raw.add(figure, t)
+            raw.add(f"{figure}_synced", t + timed(sync_fs, work))
+
+        def store_dump(name: str) -> None:
             sync_fs(work)
             samples = self.stores[name]
             store = open_store(args, name, root / store_dirname(name))
@@ -496,40 +522,66 @@ class BlockBench:
             finally:
                 store.close()
 
-        # -- reads: cold (page cache emptied), then warm (the files just read, still cached)
-        temps = ("cold", "warm") if args.warm else ("cold",)
-        readers: list[tuple[str, Callable[[], object]]] = [
-            ("read_files", lambda: raw_read_files(files, self.dst_rows, direct)),
-            ("read_bigfile", lambda: raw_read_bigfile(bigfile, self.dst_rows, direct)),
+        writes: list[tuple[str, Callable[[], None]]] = [
+            (
+                "raw write_files",
+                lambda: raw_write("write_files", lambda: raw_write_files(files, self.src_rows, direct)),
+            ),
+            (
+                "raw write_bigfile",
+                lambda: raw_write("write_bigfile", lambda: raw_write_bigfile(bigfile, self.src_rows, direct)),
+            ),
         ]
-        for figure, read in readers:
+        writes += [(f"{name} dump", lambda name=name: store_dump(name)) for name in self.supported]
+
+        # -- reads: cold (page cache emptied), then warm (the files just read, still cached); a phase is the cold
+        # read and its warm read of the same files, so the warm read always follows the cold one
+        temps = ("cold", "warm") if args.warm else ("cold",)
+
+        def raw_read(figure: str, read: Callable[[], object]) -> None:
             for temp in temps:
                 self.before_read(temp)
                 raw.add(f"{figure}_{temp}", timed(read))
                 self.check(f"raw {figure}_{temp}")
-        for name in self.supported:
-            for temp in temps:
-                self.before_read(temp)
+
+        def store_load(name: str, op: str, figures: Sequence[str]) -> None:
+            for figure in figures:
+                self.before_read("cold" if figure.endswith("_cold") else "warm")
                 store = open_store(args, name, root / store_dirname(name))  # fresh instance: its Cache stage is empty
                 try:
-                    _, done, failed = run_tasks(store, "load", keys, self.dst, self.parts)
+                    _, done, failed = run_tasks(store, op, keys, self.dst, self.parts)
                 finally:
                     store.close()
-                self.stores[name].add(f"load_{temp}", done)
+                self.stores[name].add(figure, done)
                 self.failed_keys[name] += failed
-                self.check(f"{name} load_{temp}")
-            if self.block_nbytes > LAYER_SHARD:
-                self.before_read("cold")
-                store = open_store(args, name, root / store_dirname(name))
-                try:
-                    _, done, failed = run_tasks(store, "load_sharded", keys, self.dst, self.parts)
-                finally:
-                    store.close()
-                self.stores[name].add("load_layerwise_cold", done)
-                self.failed_keys[name] += failed
-                self.check(f"{name} load_layerwise_cold")
+                self.check(f"{name} {figure}")
 
-        print(f"-- repeat {rep}, GB/s")
+        reads: list[tuple[str, Callable[[], None]]] = [
+            ("raw read_files", lambda: raw_read("read_files", lambda: raw_read_files(files, self.dst_rows, direct))),
+            (
+                "raw read_bigfile",
+                lambda: raw_read("read_bigfile", lambda: raw_read_bigfile(bigfile, self.dst_rows, direct)),
+            ),
+        ]
+        for name in self.supported:
+            reads.append((f"{name} load", lambda name=name: store_load(name, "load", [f"load_{t}" for t in temps])))
+            if self.block_nbytes > LAYER_SHARD:
+                reads.append(
+                    (
+                        f"{name} load_layerwise_cold",
+                        lambda name=name: store_load(name, "load_sharded", ["load_layerwise_cold"]),
+                    )
+                )
+
+        # Every write phase before every read phase (the reads read what the writes wrote), each group in an order
+        # rotated by one every repeat, so that no phase always runs first (see "Phase order" in the docstring).
+        order = {"write": rotated(writes, rep), "read": rotated(reads, rep)}
+        self.orders.append({group: [what for what, _ in phases] for group, phases in order.items()})
+        for phases in order.values():
+            for _, phase in phases:
+                phase()
+
+        print(f"-- repeat {rep}, GB/s; write order: {', '.join(self.orders[-1]['write'])}")
         for what, samples in [("raw", raw), *self.stores.items()]:
             print(f"   {what:12} " + "  ".join(f"{k} {v}" for k, v in samples.last_gbps(self.nbytes).items()))
 
@@ -560,11 +612,23 @@ RATIO_BASES = {
 
 
 def ratios(figures: dict[str, float], raw: dict[str, float]) -> dict[str, float]:
+    """Store figure over raw figure, for every pair of ``RATIO_BASES`` (medians over medians: unpaired)."""
     out = {}
     for fig, bases in RATIO_BASES.items():
         for base in bases:
             if fig in figures and raw.get(base):
                 out[f"{fig}/{base}"] = round(figures[fig] / raw[base], 3)
+    return out
+
+
+def paired_ratios(store: dict[str, list[float]], raw: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per repeat, store GB/s over raw GB/s *of the same repeat* (= raw seconds / store seconds), for every pair of
+    ``RATIO_BASES``; the i-th sample of a figure is the i-th repeat's."""
+    out = {}
+    for fig, bases in RATIO_BASES.items():
+        for base in bases:
+            if fig in store and base in raw and len(store[fig]) == len(raw[base]):
+                out[f"{fig}/{base}"] = [r / s for s, r in zip(store[fig], raw[base], strict=True)]
     return out
 
 
@@ -632,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n{'block':22} {'store':12} {'figure':22} {'GB/s':>8}  ratios to raw (files, bigfile)")
+    print(f"\n{'block':22} {'store':12} {'figure':22} {'GB/s':>8}  paired ratios to raw (files, bigfile)")
     for label, r in results.items():
         for fig, v in r["raw_gbps"].items():
             print(f"{label:22} {'raw':12} {fig:22} {v:>8}")
@@ -669,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch_mb": args.batch_mb,
             "warm": args.warm,
         },
+        "ratio_method": "ratios: median over repeats of store GB/s / raw GB/s of the same repeat (paired); "
+        "ratios_of_medians: median store GB/s / median raw GB/s",
         "results": results,
         "posix_below_0.9x_raw": below,
         "problems": problems,
