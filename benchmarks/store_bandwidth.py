@@ -1,6 +1,6 @@
 """Store bandwidth: dump and load GB/s of the real UCM stores against raw file I/O of the same bytes.
 
-Run ``python benchmarks/store_bandwidth.py [--total-gb 2] [--repeats 3] [--dir DIR] [--io-engine psync|aio]
+Run ``python benchmarks/store_bandwidth.py [--total-gb 2] [--repeats 4] [--dir DIR] [--io-engine psync|aio]
 [--io-direct]``. GB = 1e9 bytes; GB/s counts block payload bytes only (the store's 44-byte file headers
 are not counted, so they count against the store).
 
@@ -635,7 +635,12 @@ def paired_ratios(store: dict[str, list[float]], raw: dict[str, list[float]]) ->
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Dump/load GB/s of the UCM stores against raw file I/O.")
     p.add_argument("--total-gb", type=float, default=2.0, help="GB (1e9 bytes) moved per phase and block size")
-    p.add_argument("--repeats", type=int, default=3, help="repeats of every phase (the median is reported)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=4,
+        help="repeats of every phase (median reported; 4 = a full rotation of the 4 write phases)",
+    )
     p.add_argument("--dir", default=None, help="where to write (a temp dir inside it; default: inside the repo)")
     p.add_argument("--stores", nargs="+", default=list(STORES), help="store pipelines to measure")
     p.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS), help="block sizes")
