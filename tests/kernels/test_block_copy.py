@@ -109,19 +109,26 @@ def check_all_ops(caches: list[torch.Tensor], layout: KVLayout, impl: str) -> No
     assert bits_equal(one[0].cpu(), want[0])
 
 
+SPLIT_SHAPES = {  # one layer's paged shape: 10 blocks, block_size 128, 2 KV heads of head_dim 128 (MLA: 576)
+    KVLayout.CPU_ATTN: (10, 2, 128, 2 * 128),
+    KVLayout.FLASH_NHD: (2, 10, 128, 2, 128),
+    KVLayout.MLA: (10, 128, 576),
+}
+
+
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=[lay.value for lay in ALL_LAYOUTS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cpu_attn_split_over_threads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU path splits a CPU_ATTN copy of several MiB over ``torch.get_num_threads()`` threads (3 here: an
-    uneven split of the (block, layer, head) items); every op stays bit-exact into poisoned outputs."""
+def test_cpu_path_split_over_threads(layout: KVLayout, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU path splits a copy of several MiB over ``torch.get_num_threads()`` threads (3 here: an uneven split
+    of the work items); every op stays bit-exact into poisoned outputs."""
     from ucm.kernels import _block_copy
 
     pools: list[int] = []
     real_pool = _block_copy._cpu_pool
     monkeypatch.setattr(_block_copy, "_cpu_pool", lambda workers: pools.append(workers) or real_pool(workers))
     gen = torch.Generator().manual_seed(5)
-    caches = [random_kv((10, 2, 128, 2 * 128), dtype, gen) for _ in range(7)]  # 7 layers, 2 heads, head_dim 128
+    caches = [random_kv(SPLIT_SHAPES[layout], dtype, gen) for _ in range(7)]  # 7 layers
     ids = torch.tensor([8, 1, 3, 0, 5, 9, 2, 6])
-    layout = KVLayout.CPU_ATTN
     torch.set_num_threads(3)  # the module fixture restores the count
     ref = gather_blocks_reference(caches, ids, layout)
     blocks = gather_blocks(caches, ids, layout, out=poisoned(tuple(ref.shape), dtype), impl="cpu")

@@ -304,8 +304,8 @@ def _copy_cpu(
     kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, layout: KVLayout, staging: torch.Tensor, gather: bool
 ) -> None:
     """CPU fast path. FLASH_NHD / MLA: one ``memmove`` per contiguous run. CPU_ATTN: numba kernels (see
-    ``_numba_copy``; 2-byte dtypes in 8-byte words with 4x4 tile transposes for K, element loops otherwise), the
-    ``(block, layer, head)`` work items split over up to ``torch.get_num_threads()`` threads, one per MiB moved."""
+    ``_numba_copy``; 2-byte dtypes in 8-byte words with 4x4 tile transposes for K, element loops otherwise). Either
+    is split over up to ``torch.get_num_threads()`` threads, one per MiB moved (:func:`_run_split`)."""
     num_blocks, block_size, num_kv_heads, head_dim = _geometry(kv_caches[0], layout)
     esize = kv_caches[0].element_size()
     addrs = [c.data_ptr() for c in kv_caches]
@@ -344,28 +344,34 @@ def _copy_cpu(
         gather,
     )
     items = ids.numel() * len(kv_caches) * num_kv_heads  # (block, layer, head) work items
-    nbytes = items * 2 * block_size * head_dim * esize
+    _run_split(items, items * 2 * block_size * head_dim * esize, lambda lo, hi: fn(*args, lo, hi))
+
+
+def _run_split(items: int, nbytes: int, run: Callable[[int, int], None]) -> None:
+    """``run(lo, hi)`` over ``[0, items)`` in contiguous slices on up to ``torch.get_num_threads()`` threads, one
+    per ``_CPU_BYTES_PER_THREAD`` of the ``nbytes`` moved; the calling thread does the first slice. ``run`` must
+    release the GIL for its bulk work (numba ``nogil`` kernels, ctypes' ``memmove``)."""
     workers = min(torch.get_num_threads(), items, max(1, nbytes // _CPU_BYTES_PER_THREAD))
     if workers <= 1:
-        fn(*args, 0, items)
+        run(0, items)
         return
     slices = list(itertools.pairwise(items * k // workers for k in range(workers + 1)))
-    pool = _cpu_pool(workers - 1)  # the calling thread does the first slice
-    futures = [pool.submit(fn, *args, lo, hi) for lo, hi in slices[1:]]
-    fn(*args, *slices[0])
+    pool = _cpu_pool(workers - 1)
+    futures = [pool.submit(run, lo, hi) for lo, hi in slices[1:]]
+    run(*slices[0])
     for f in futures:
         f.result()
 
 
-# Bytes below which a CPU_ATTN copy runs on the calling thread only (thread hand-off costs ~50-100 us).
+# Bytes below which a CPU copy runs on the calling thread only (thread hand-off costs ~50-100 us).
 _CPU_BYTES_PER_THREAD = 1 << 20
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
 def _cpu_pool(workers: int) -> ThreadPoolExecutor:
-    """The process-wide pool running CPU_ATTN kernel slices besides the calling thread's (numba kernels release the
-    GIL), grown to ``workers`` threads. Plain threads, not numba's parallel layers: those change the calling
+    """The process-wide pool running CPU copy slices besides the calling thread's (see :func:`_run_split`), grown
+    to ``workers`` threads. Plain threads, not numba's parallel layers: those change the calling
     thread's OpenMP state, which vLLM's CPU attention checks (see ``_numba_copy``)."""
     global _pool
     with _pool_lock:
@@ -387,18 +393,25 @@ def _copy_chunks_memmove(
     gather: bool,
 ) -> None:
     """FLASH_NHD / MLA on CPU: every (block, layer, part) is one contiguous run on both sides, so each is one
-    ``memmove`` (libc's copy, ~2x the numba word loop, which LLVM does not vectorize across two raw pointers)."""
+    ``memmove`` (libc's copy, ~2x the numba word loop, which LLVM does not vectorize across two raw pointers); the
+    blocks are split over threads as in :func:`_run_split` (ctypes releases the GIL around each ``memmove``)."""
     import ctypes
 
     parts = 1 if layout == KVLayout.MLA else 2
     nbytes = part * esize
     base, s0, s1 = staging.data_ptr(), staging.stride(0) * esize, staging.stride(1) * esize
-    for i, b in enumerate(ids):
-        for layer, addr in enumerate(addrs):
-            for p in range(parts):
-                paged = addr + (p * stride_part + b * part) * esize
-                stage = base + i * s0 + layer * s1 + p * nbytes
-                if gather:
-                    ctypes.memmove(stage, paged, nbytes)
-                else:
-                    ctypes.memmove(paged, stage, nbytes)
+    memmove = ctypes.memmove
+
+    def run(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            b = ids[i]
+            for layer, addr in enumerate(addrs):
+                for p in range(parts):
+                    paged = addr + (p * stride_part + b * part) * esize
+                    stage = base + i * s0 + layer * s1 + p * nbytes
+                    if gather:
+                        memmove(stage, paged, nbytes)
+                    else:
+                        memmove(paged, stage, nbytes)
+
+    _run_split(len(ids), len(ids) * len(addrs) * parts * nbytes, run)
