@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from tests.store.blocks import make_keys, poisoned
 from ucm.store.compress import CompressStore
 from ucm.store.kvfold import KVGeometry
-from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER, HEADER_NBYTES, PosixStore
+from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER, HEADER_NBYTES, EncodedBlock, PosixStore
 
 # A small model's block: 3 layers, block_size 16, 2 KV heads, head_dim 32 -> 12 KiB per block.
 GEOMETRY = KVGeometry(num_layers=3, block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
@@ -314,3 +315,61 @@ def test_cli_verify_checks_compressed_files(store: CompressStore) -> None:
     flip_byte(bad, 3)
     assert verify_file(good)[0] is None
     assert verify_file(bad)[0] == "checksum mismatch"
+
+
+def test_decoding_starts_while_later_blocks_are_still_read(
+    store: CompressStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block is decoded as soon as its file is read: with the read of the last block held, the others are already
+    decoded into ``dst``; once it is released, every block is there, bit-exact."""
+    keys, blocks = make_keys(3, seed=11), kv_blocks(3, seed=11)
+    assert not store.wait(store.dump(keys, blocks)).failed
+    gate, decoded = threading.Event(), threading.Semaphore(0)
+    read_one, decode = store.inner._load_encoded_one, store._decode
+
+    def held_read(key: bytes, *args: object) -> bool:
+        if key == keys[2]:
+            assert gate.wait(30), "the held read was never released"
+        return read_one(key, *args)  # type: ignore[arg-type]
+
+    def counted_decode(*args: object) -> str:
+        kind = decode(*args)  # type: ignore[arg-type]
+        decoded.release()
+        return kind
+
+    monkeypatch.setattr(store.inner, "_load_encoded_one", held_read)
+    monkeypatch.setattr(store, "_decode", counted_decode)
+    dst = poisoned(3, blocks.shape[1])
+    task = store.load(keys, dst)
+    try:
+        assert decoded.acquire(timeout=30) and decoded.acquire(timeout=30), "blocks 0 and 1 were not decoded"
+        assert torch.equal(dst[:2], blocks[:2])
+        assert not torch.equal(dst[2], blocks[2])  # still poisoned: its read is held
+    finally:
+        gate.set()
+    assert not store.wait(task).failed
+    assert torch.equal(dst, blocks)
+
+
+def test_load_encoded_reports_each_read_block(root: Path) -> None:
+    """``on_loaded(i)`` runs once per block read (not for a missing one); an exception from it fails that key."""
+    posix = PosixStore(str(root))
+    try:
+        keys, blocks = make_keys(4, seed=12), kv_blocks(4, seed=12)
+        assert not posix.wait(posix.dump(keys[:3], blocks[:3])).failed
+        seen: list[int] = []
+        lock = threading.Lock()
+
+        def on_loaded(i: int) -> None:
+            with lock:
+                seen.append(i)
+            if i == 1:
+                raise RuntimeError("consumer failed")
+
+        out: list[EncodedBlock | None] = [None] * 4
+        result = posix.wait(posix.load_encoded(keys, out, 1 << 20, on_loaded=on_loaded))
+        assert sorted(seen) == [0, 1, 2]
+        assert set(result.failed) == {1, 3}  # 1: its consumer raised; 3: never stored
+        assert out[0] is not None and bytes(out[0].payload) == blocks[0].numpy().tobytes()
+    finally:
+        posix.close()

@@ -20,7 +20,8 @@ raw, with one info log line.
 
 Work: blocks are encoded and decoded on ``threads`` threads (``decompress_thread_num``; zstandard and numpy release
 the GIL), one job per block; each load or dump task is run by one of a few coordinator threads (encode all, then
-one batched Posix dump; one batched Posix read, then decode all). With ``UC_LOGGER_LEVEL=debug``, per task::
+one batched Posix dump; one batched Posix read, each block's decode started as soon as its file is read, so
+decoding overlaps the reads still waiting on the disk). With ``UC_LOGGER_LEVEL=debug``, per task::
 
     COMPRESS DUMP START | <task id> | <n> blocks
     COMPRESS DUMP | <task id> | block <key> | <mode> | shard sizes [...]        (bytes per section: layer K, V, ...)
@@ -325,10 +326,18 @@ class CompressStore(UcmKVStoreBase):
         n = len(keys)
         logger.debug("COMPRESS LOAD START | %d | %d blocks", task_id, n)
         out: list[EncodedBlock | None] = [None] * n
+        decodes: dict[int, Future[str]] = {}
+
+        def decode_when_read(i: int) -> None:  # on the Posix I/O thread: decoding overlaps the later reads
+            block = out[i]
+            assert block is not None
+            decodes[i] = self._pool.submit(self._decode, block, dst[i])
+
         # A KVfold container is at most the raw size plus its headers (incompressible planes are stored raw).
-        self._inner.wait(self._inner.load_encoded(keys, out, max_nbytes=2 * dst.shape[1] + (1 << 16)))
-        jobs = [(i, self._pool.submit(self._decode, b, dst[i])) for i, b in enumerate(out) if b is not None]
-        failed = {i for i, b in enumerate(out) if b is None}
+        max_nbytes = 2 * dst.shape[1] + (1 << 16)
+        self._inner.wait(self._inner.load_encoded(keys, out, max_nbytes, on_loaded=decode_when_read))
+        jobs = sorted(decodes.items())
+        failed = {i for i, b in enumerate(out) if b is None} | (set(range(n)) - decodes.keys())
         stored_nbytes = 0
         for i, job in jobs:
             try:

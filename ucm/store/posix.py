@@ -481,12 +481,20 @@ class PosixStore(UcmKVStoreBase):
             "dump",
         )
 
-    def load_encoded(self, keys: Sequence[bytes], out: list[EncodedBlock | None], max_nbytes: int) -> Task:
+    def load_encoded(
+        self,
+        keys: Sequence[bytes],
+        out: list[EncodedBlock | None],
+        max_nbytes: int,
+        on_loaded: Callable[[int], None] | None = None,
+    ) -> Task:
         """Start reading the blocks of ``keys`` whatever their codec: ``out[i]`` is set to key ``i``'s
         :class:`EncodedBlock` (codec and validated payload) before the task completes, and left ``None`` when the key
         fails (missing, damaged: removed, or foreign: another format version, or a payload over ``max_nbytes``
         bytes, kept). Reads use the pool threads with positional reads (``O_DIRECT`` with ``io_direct``) for
-        either engine.
+        either engine. ``on_loaded(i)``, when given, runs on the I/O thread as soon as ``out[i]`` is set (so a
+        caller can decode block ``i`` while later blocks are still being read); it must not block for long, and an
+        exception from it fails key ``i``.
 
         Raises:
             TypeError / ValueError: bad keys; ``out`` not a list of ``len(keys)``; ``max_nbytes`` < 1.
@@ -499,7 +507,10 @@ class PosixStore(UcmKVStoreBase):
             raise ValueError(f"max_nbytes must be >= 1, got {max_nbytes}")
 
         def job(i: int) -> bool:
-            return self._load_encoded_one(keys[i], out, i, max_nbytes)
+            ok = self._load_encoded_one(keys[i], out, i, max_nbytes)
+            if ok and on_loaded is not None:
+                on_loaded(i)
+            return ok
 
         def aio_job(i: int, done: Future[bool]) -> None:
             done.set_result(job(i))
