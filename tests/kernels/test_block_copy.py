@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -273,3 +274,34 @@ def test_kernel_compiles_for_sm90(layout: KVLayout, word: str, gather: bool) -> 
     asm = compile_for_sm90(_block_copy_kernel, sig, const, attrs=aligned)
     if layout != KVLayout.CPU_ATTN:
         assert "ld.global.v4" in asm["ptx"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_cpu_path_split_works_in_a_forked_child() -> None:
+    """A process that used the copy threads and then forks (vLLM forks its engine core) copies in the child too:
+    the child makes its own threads instead of queueing work for the parent's, which it does not have."""
+    gen = torch.Generator().manual_seed(7)
+    caches = [random_kv(SPLIT_SHAPES[KVLayout.FLASH_NHD], torch.bfloat16, gen) for _ in range(7)]  # 8.75 MiB
+    ids = torch.tensor([0, 2, 4, 6, 8, 9, 7, 5, 3, 1])
+    torch.set_num_threads(2)  # the module fixture restores the count
+    want = gather_blocks_reference(caches, ids, KVLayout.FLASH_NHD)
+    assert bits_equal(gather_blocks(caches, ids, KVLayout.FLASH_NHD, impl="cpu"), want)  # the parent's pool exists
+    want_bytes = int_view(want).numpy().tobytes()
+    pid = os.fork()
+    if pid == 0:  # child: exit 0 only if the split copy completes and is right
+        code = 1
+        try:  # compared with numpy: torch's own parallel ops (torch.equal) can hang in a forked child
+            got = gather_blocks(caches, ids, KVLayout.FLASH_NHD, impl="cpu")
+            code = 0 if int_view(got).numpy().tobytes() == want_bytes else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the copy in the forked child hung (it queued work for the parent's threads)")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -367,6 +368,16 @@ def _run_split(items: int, nbytes: int, run: Callable[[int, int], None]) -> None
 _CPU_BYTES_PER_THREAD = 1 << 20
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def _forget_pool_after_fork() -> None:
+    """In a forked child (vLLM forks its engine core), the parent's pool threads do not exist: a new pool is made on
+    first use instead of queueing work that no thread would run."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _cpu_pool(workers: int) -> ThreadPoolExecutor:
