@@ -45,8 +45,8 @@ Impl = Literal["auto", "triton", "cpu", "torch"]
 IMPLS = ("auto", "triton", "cpu", "torch")
 
 
-def resolve_impl(impl: str, device: torch.device, layout: KVLayout) -> str:
-    """The implementation ``impl`` names for tensors on ``device`` in ``layout``.
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The implementation ``impl`` names for tensors on ``device`` (any layout).
 
     ``auto`` is Triton on CUDA and the torch path on other non-CPU devices. On CPU it is the CPU fast path
     (memmove runs; numba tile transposes for CPU_ATTN, on up to ``torch.get_num_threads()`` threads). ``triton``
@@ -367,14 +367,15 @@ def _run_split(items: int, nbytes: int, run: Callable[[int, int], None]) -> None
 # Bytes below which a CPU copy runs on the calling thread only (thread hand-off costs ~50-100 us).
 _CPU_BYTES_PER_THREAD = 1 << 20
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0  # threads of _pool
 _pool_lock = threading.Lock()
 
 
 def _forget_pool_after_fork() -> None:
     """In a forked child (vLLM forks its engine core), the parent's pool threads do not exist: a new pool is made on
     first use instead of queueing work that no thread would run."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
@@ -384,10 +385,10 @@ def _cpu_pool(workers: int) -> ThreadPoolExecutor:
     """The process-wide pool running CPU copy slices besides the calling thread's (see :func:`_run_split`), grown
     to ``workers`` threads. Plain threads, not numba's parallel layers: those change the calling
     thread's OpenMP state, which vLLM's CPU attention checks (see ``_numba_copy``)."""
-    global _pool
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
-            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="ucm-kernel")
+        if _pool is None or _pool_size < workers:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(workers, thread_name_prefix="ucm-kernel"), workers
             if old is not None:
                 old.shutdown(wait=False)
         return _pool

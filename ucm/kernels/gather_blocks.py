@@ -113,7 +113,7 @@ def gather_staged(
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_paged_caches(kv_caches, layout)
     device = kv_caches[0].device
-    which = resolve_impl(impl, device, layout)
+    which = resolve_impl(impl, device)
     ids = check_block_ids(block_ids, num_blocks).to(device)
     shard = canonical_shard_shape(block_size, num_kv_heads, head_dim, layout)
     lead = (len(kv_caches), ids.numel()) if layer_major else (ids.numel(), len(kv_caches))

@@ -108,7 +108,7 @@ def scatter_staged(
         TypeError / ValueError: as :func:`scatter_blocks` (``name`` names ``staging`` in messages).
     """
     ids, _ = check_scatter(staging, kv_caches, layout, block_ids, layer_major=layer_major, name=name)
-    which = resolve_impl(impl, kv_caches[0].device, layout)
+    which = resolve_impl(impl, kv_caches[0].device)
     src = staging if shard_contiguous(staging) else staging.contiguous()
     copy_blocks(kv_caches, ids, layout, src.transpose(0, 1) if layer_major else src, gather=False, impl=which)
 
