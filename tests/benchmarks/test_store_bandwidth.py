@@ -3,7 +3,6 @@ order rotates over the repeats; ratios pair the samples of the same repeat."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -14,7 +13,9 @@ from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "store_bandwidth.py"
+from tests.benchmarks import BENCHMARKS, load_script
+
+SCRIPT = BENCHMARKS / "store_bandwidth.py"
 BLOCKS = ("llama8b_block_16MiB", "layer_shard_512KiB")
 RAW_FIGURES = {
     "write_files",
@@ -34,11 +35,7 @@ STORE_FIGURES = {
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("store_bandwidth", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("store_bandwidth")
 
 
 def run(tmp_path: Path, *options: str, repeats: int = 1) -> dict[str, Any]:

@@ -60,6 +60,8 @@ def runs(tiny_model, prompt, tmp_path_factory) -> dict[str, tuple[RequestResult,
         ("plugin_off", None, plugin_env()),
         ("gsa_all_blocks", {"GSA": {"sparse_ratio": 1.0}}, plugin_env()),
         ("gsa_0.3", {"GSA": {"sparse_ratio": 0.3}}, plugin_env()),
+        ("attention_all_blocks", {"GSA": {"sparse_ratio": 1.0, "block_scoring": "attention"}}, plugin_env()),
+        ("attention_0.3", {"GSA": {"sparse_ratio": 0.3, "block_scoring": "attention"}}, plugin_env()),
     ]:
         out[name] = _run(tiny_model, tmp_path_factory.mktemp(name), prompt, sparse, env)
     return out
@@ -72,18 +74,20 @@ def test_plugin_off_is_byte_identical(runs) -> None:
     assert "sparse attention" not in runs["plugin_off"][1]
 
 
-def test_all_blocks_equals_dense_exactly(runs) -> None:
-    dense, sparse = runs["plugin_off"][0], runs["gsa_all_blocks"][0]
+@pytest.mark.parametrize("name", ["gsa_all_blocks", "attention_all_blocks"], ids=["key_bounds", "attention"])
+def test_all_blocks_equals_dense_exactly(runs, name) -> None:
+    dense, sparse = runs["plugin_off"][0], runs[name][0]
     total = -(-PROMPT_TOKENS // BLOCK_SIZE)
-    assert f"sparse attention GSA: first decode selection kept {total} of {total} blocks" in runs["gsa_all_blocks"][1]
+    assert f"sparse attention GSA: first decode selection kept {total} of {total} blocks" in runs[name][1]
     assert sparse.token_ids == dense.token_ids
     assert sparse.logprobs == dense.logprobs
 
 
-def test_sparse_reads_fewer_blocks(runs) -> None:
+@pytest.mark.parametrize("name", ["gsa_0.3", "attention_0.3"], ids=["key_bounds", "attention"])
+def test_sparse_reads_fewer_blocks(runs, name) -> None:
     total = -(-PROMPT_TOKENS // BLOCK_SIZE)  # 22 blocks: ceil(0.3 * 22) = 7 kept
-    assert f"sparse attention GSA: first decode selection kept 7 of {total} blocks" in runs["gsa_0.3"][1]
-    assert len(runs["gsa_0.3"][0].token_ids) == MAX_TOKENS
+    assert f"sparse attention GSA: first decode selection kept 7 of {total} blocks" in runs[name][1]
+    assert len(runs[name][0].token_ids) == MAX_TOKENS
 
 
 def test_sparse_config_without_plugin_is_refused(tiny_model, prompt, tmp_path) -> None:

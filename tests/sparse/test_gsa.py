@@ -150,3 +150,89 @@ def test_make_method() -> None:
     assert make_method(UcmSparseConfig()) is None
     method = make_method(UcmSparseConfig.model_validate({"GSA": {"sparse_ratio": 0.5}}))
     assert isinstance(method, GSA) and method.cfg.sparse_ratio == 0.5
+
+
+# -- block_scoring: attention ------------------------------------------------------------------------------------
+
+
+def _mass_reference(q: torch.Tensor, keys: torch.Tensor, ids: list[int], length: int, scale: float) -> torch.Tensor:
+    """Row by row, query by query: attention mass per block (float64) of queries ``[W, Hq, D]`` ending at
+    ``length - 1``."""
+    h, bs = keys.shape[1], keys.shape[2]
+    group = q.shape[1] // h
+    k = torch.cat([keys[b] for b in ids], dim=1)[:, :length].double()  # [KVH, length, D]
+    mass = torch.zeros(len(ids), dtype=torch.float64)
+    for i in range(q.shape[0]):
+        pos = length - q.shape[0] + i
+        for j in range(q.shape[1]):
+            p = torch.softmax(k[j // group, : pos + 1] @ q[i, j].double() * scale, dim=0)
+            for t in range(pos + 1):
+                mass[t // bs] += p[t]
+    return mass
+
+
+@pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
+def test_attention_mass_matches_reference(h: int, hq: int, d: int, bs: int) -> None:
+    from ucm.sparse.gsa import attention_mass
+
+    keys, table, lens, _ = _batch(h, hq, d, bs)
+    g = torch.Generator().manual_seed(5)
+    for r, w in [(0, 1), (0, 7), (3, 3)]:
+        length = int(lens[r])
+        ids = table[r, : math.ceil(length / bs)]
+        q = torch.randn((w, hq, d), generator=g).to(torch.bfloat16)
+        got = attention_mass(q, keys, ids, length, d**-0.5)
+        want = _mass_reference(q, keys, ids.tolist(), length, d**-0.5)
+        assert got.tolist() == pytest.approx(want.tolist(), abs=1e-5)
+        assert float(got.sum()) == pytest.approx(w * hq, rel=1e-5)
+
+
+def test_attention_scoring_keeps_the_blocks_the_prompt_attended_to() -> None:
+    """Prefill scores from the prompt's last queries pick the blocks; a decode step whose own query points
+    elsewhere keeps them (static within the block), and the request's next block recomputes from its query."""
+    h, hq, d, bs = 2, 4, 16, 8
+    cfg = GSAConfig(sparse_ratio=0.3, block_scoring="attention", observation_window=4)
+    method = GSA(cfg)
+    num_blocks = 40
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn((num_blocks, h, bs, d), generator=g) * 0.1
+    ids = list(range(10, 30))  # 20 blocks: keep ceil(0.3 * 20) = 6 = 3 forced + 3 chosen
+    needle = [13, 17, 21]  # vLLM ids of blocks 3, 7, 11 of the request
+    direction = torch.zeros(d)
+    direction[0] = 8.0
+    for b in needle:
+        keys[b, :, 2] = direction  # one strongly matching key per needle block
+    other = torch.zeros(d)
+    other[1] = 8.0
+    for b in (15, 19, 23):
+        keys[b, :, 5] = other
+    summaries = method.new_summaries(num_blocks, h, d, torch.device("cpu"))
+    table = torch.tensor(ids + [0] * 4, dtype=torch.int32)
+    length = 19 * bs + 3  # the last block holds 3 tokens
+    prompt_q = direction.expand(4, hq, d).clone()
+    method.observe(prompt_q, keys, summaries, table, length, d**-0.5)
+
+    def kept(q: torch.Tensor, n_tokens: int) -> list[int]:
+        sel = method.select(q[None], keys, summaries, table[None], torch.tensor([n_tokens]), d**-0.5)
+        return sel.block_table[0, : int(sel.kept[0])].tolist()
+
+    decode_q = other.expand(hq, d).clone()  # looks for the "other" blocks
+    assert kept(decode_q, length + 1) == [10, *needle, 28, 29]  # the prefill's choice, not this query's
+    summaries.invalidate_slots(torch.tensor([30 * bs]), bs)  # block 30 starts (another request): no effect
+    assert kept(decode_q, length + 2) == [10, *needle, 28, 29]
+    table[20] = 30  # the request moves on to block 30: scores recomputed from the current query
+    ids30 = kept(decode_q, 20 * bs + 1)  # 21 blocks: keep 7 = 3 forced + 4 chosen
+    assert len(ids30) == 7 and {10, 29, 30, 15, 19, 23} <= set(ids30) and not set(needle) & set(ids30)
+    assert 29 not in summaries.entries and 30 in summaries.entries  # re-keyed under the new last block
+    invalidate_blocks([30])  # e.g. loaded from the store: the entry goes
+    assert 30 not in summaries.entries
+
+
+def test_attention_scoring_with_all_blocks_kept_is_the_dense_table() -> None:
+    keys, table, lens, q = _batch(3, 9, 64, 32)
+    method = GSA(GSAConfig(sparse_ratio=1.0, block_scoring="attention"))
+    summaries = method.new_summaries(NUM_BLOCKS, 3, 64, torch.device("cpu"))
+    sel = method.select(q, keys, summaries, table, lens, 0.125)
+    assert torch.equal(sel.seq_lens, lens) and sel.kept.tolist() == [18, 9, 3, 13]
+    for r in range(4):
+        assert _kept_ids(sel, r) == table[r, : int(sel.kept[r])].tolist()

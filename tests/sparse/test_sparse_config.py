@@ -19,7 +19,14 @@ def test_gsa_defaults_filled_in() -> None:
     cfg = parse_config({"ucm_sparse_config": {"GSA": {}}})
     assert cfg.ucm_sparse_config is not None and cfg.ucm_sparse_config.method == "GSA"
     assert cfg.to_log_dict()["ucm_sparse_config"] == {
-        "GSA": {"sparse_ratio": 0.3, "init_window_sz": 1, "local_window_sz": 2, "min_blocks": 4}
+        "GSA": {
+            "sparse_ratio": 0.3,
+            "init_window_sz": 1,
+            "local_window_sz": 2,
+            "min_blocks": 4,
+            "block_scoring": "key_bounds",
+            "observation_window": 16,
+        }
     }
 
 
@@ -55,8 +62,8 @@ def test_unknown_method_names_the_allowed_ones() -> None:
 def test_unknown_key_names_the_allowed_ones() -> None:
     with pytest.raises(
         UcmConfigError,
-        match=r"unknown key 'retrieval_stride' in ucm_sparse_config.GSA; valid keys: init_window_sz, "
-        r"local_window_sz, min_blocks, sparse_ratio",
+        match=r"unknown key 'retrieval_stride' in ucm_sparse_config.GSA; valid keys: block_scoring, init_window_sz, "
+        r"local_window_sz, min_blocks, observation_window, sparse_ratio",
     ):
         parse_config({"ucm_sparse_config": {"GSA": {"retrieval_stride": 5}}})
 
@@ -70,8 +77,19 @@ def test_unknown_key_names_the_allowed_ones() -> None:
         ({"local_window_sz": 0}, r"local_window_sz: Input should be greater than or equal to 1"),
         ({"init_window_sz": -1}, r"init_window_sz: Input should be greater than or equal to 0"),
         ({"min_blocks": 3}, r"min_blocks \(3\) must be larger than init_window_sz \+ local_window_sz \(1 \+ 2\)"),
+        ({"block_scoring": "mean_key"}, r"block_scoring: Input should be 'key_bounds' or 'attention'"),
+        ({"observation_window": 0}, r"observation_window: Input should be greater than or equal to 1"),
     ],
-    ids=["ratio-zero", "ratio-above-one", "ratio-string", "no-local-window", "negative-sinks", "min-blocks-small"],
+    ids=[
+        "ratio-zero",
+        "ratio-above-one",
+        "ratio-string",
+        "no-local-window",
+        "negative-sinks",
+        "min-blocks-small",
+        "unknown-scoring",
+        "no-observation-window",
+    ],
 )
 def test_bad_values(gsa: dict, message: str) -> None:
     with pytest.raises(UcmConfigError, match=message):

@@ -6,6 +6,8 @@ A method (:class:`SparseMethod`) has
   beside the paged KV cache;
 - a block selection per request and layer at decode (:meth:`SparseMethod.select`), returned as a replacement block
   table and sequence lengths (:class:`Selection`) that a paged-attention kernel reads instead of the dense ones.
+- optionally, what it learns from prefill steps (:meth:`SparseMethod.observe`, e.g. which blocks the prompt's last
+  queries attended to).
 
 Freshness of summaries. A summary records how many tokens of its block it covers (``fill``). The attention
 wrapper invalidates the blocks of every slot it sees written (``slot_mapping``), and the UCM connector invalidates
@@ -171,3 +173,24 @@ class SparseMethod(ABC):
             block_table: int ``[R, W]`` dense block ids; seq_lens: int ``[R]`` dense lengths (tokens).
             scale: the attention's softmax scale (``1/sqrt(head_dim)`` for most models).
         """
+
+    def observe(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        summaries: BlockSummaries,
+        block_table: torch.Tensor,
+        seq_len: int,
+        scale: float,
+    ) -> None:
+        """Learn from one request's prefill step (a row with more than one query token); the default learns
+        nothing.
+
+        Args:
+            query: ``[W, num_heads, head_dim]``: the row's last ``W`` (post-RoPE) queries of the step, at token
+                positions ``seq_len - W`` .. ``seq_len - 1``.
+            keys, summaries, scale: as in :meth:`select`.
+            block_table: int ``[W_table]`` the row's dense block ids; seq_len: its length in tokens, this step's
+                included.
+        """
+        return None

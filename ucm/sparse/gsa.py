@@ -17,6 +17,20 @@ kernel takes one block table per request):
    ``init_window_sz`` (attention sinks), the last ``local_window_sz`` (recent context; the last holds the current
    token), and the best-scoring others. Requests with fewer than ``min_blocks`` blocks stay dense, as does prefill
    (the wrapper only hands one-query rows to :meth:`GSA.select`).
+
+Scoring ``block_scoring: attention`` replaces steps 1-2 by measured attention: the exact attention mass each
+block got (softmax over all the request's keys, summed over the layer's query heads and over the queries), from
+the prompt's last ``observation_window`` queries at prefill (:meth:`GSA.observe`; the observation window of
+SnapKV, Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"), kept for the request's
+decode steps and recomputed from the current query whenever the request starts a new block (once per
+``block_size`` generated tokens, or at the first step of a request whose prefill left no scores, e.g. a storage
+hit that computes one token). Scores are kept per request under the vLLM block id of its last block (the one
+being written: never shared with another running request), checked against the request's first block id, and
+dropped when that block is (re)started or loaded from the store (:class:`AttentionMass`). Why: a 128-token block's
+key bounds are loose (every channel's extreme over 128 keys), and on the harness's multi-document questions they
+kept the wrong document's block far more often than measured attention did (``benchmarks/sparse_policies.py``).
+Cost: one pass of q.k over the request's keys per layer per ``block_size`` decode steps, and over the last
+``observation_window`` prompt queries at prefill.
 """
 
 from __future__ import annotations
@@ -42,6 +56,71 @@ class KeyBounds(BlockSummaries):
 
     def _compute(self, keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor) -> None:
         block_summaries(keys, block_ids, counts, self.kmin, self.kmax, impl=self.impl)
+
+
+class AttentionMass(BlockSummaries):
+    """One layer's measured block scores (``block_scoring: attention``), one entry per running request.
+
+    ``entries[last]``: ``(first, mass)`` for the request whose last block (the one it is writing) has vLLM id
+    ``last`` and whose first block has id ``first``; ``mass`` float32 ``[n]`` scores its first ``n`` blocks. An
+    entry is dropped when its block is started again (a write at the block's first slot: vLLM gave the block to a
+    request anew) or loaded from the store (:func:`~ucm.sparse.base.invalidate_blocks`). The per-block ``fill`` of
+    the base class is unused.
+    """
+
+    def __init__(self, num_blocks: int, device: torch.device) -> None:
+        super().__init__(num_blocks, device)
+        self.entries: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def invalidate(self, block_ids: torch.Tensor) -> None:
+        """Drop the entries of ``block_ids`` (their contents changed behind the attention layer)."""
+        if self.entries:
+            for b in block_ids.tolist():
+                self.entries.pop(int(b), None)
+
+    def invalidate_slots(self, slot_mapping: torch.Tensor, block_size: int) -> None:
+        """Drop the entries of blocks written at their first slot this step (started anew)."""
+        if not self.entries:
+            return
+        slots = slot_mapping[slot_mapping >= 0]
+        self.invalidate(torch.div(slots[slots % block_size == 0], block_size, rounding_mode="floor"))
+
+    def _compute(self, keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """Unused: entries are computed by :meth:`GSA.observe` / :meth:`GSA.select`."""
+
+
+def attention_mass(
+    query: torch.Tensor, keys: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    """The attention mass each block gets, float32 ``[n]``: the causal softmax of each query (over the request's
+    ``seq_len`` keys) summed over the queries, the query heads and the block's tokens.
+
+    Args:
+        query: ``[W, num_heads, head_dim]`` at token positions ``seq_len - W`` .. ``seq_len - 1``.
+        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view).
+        block_ids: int ``[n]`` the request's blocks in token order, ``n = ceil(seq_len / block_size)``.
+        seq_len: the request's length in tokens.
+        scale: softmax scale.
+    """
+    w, hq, d = query.shape
+    n, bs = block_ids.numel(), keys.shape[2]
+    h = keys.shape[1]
+    k = keys[block_ids.long()].float().permute(1, 0, 2, 3).reshape(h, n * bs, d)  # [KVH, L, D]
+    q = query.float().reshape(w, h, hq // h, d)
+    logits = torch.einsum("wkgd,kld->wkgl", q, k) * scale  # [W, KVH, group, L]
+    pos_q = torch.arange(seq_len - w, seq_len, device=query.device)
+    future = torch.arange(n * bs, device=query.device)[None, :] > pos_q[:, None]  # [W, L]: later or past the end
+    logits.masked_fill_(future[:, None, None, :], float("-inf"))
+    mass = torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))  # [L]
+    return mass.view(n, bs).sum(dim=1)
+
+
+def _drop_entries_of(summaries: AttentionMass, block_ids: torch.Tensor, first: int) -> None:
+    """Drop the entries under ``block_ids`` that belong to the request whose first block is ``first``."""
+    for b in block_ids.tolist():
+        entry = summaries.entries.get(int(b))
+        if entry is not None and entry[0] == first:
+            del summaries.entries[int(b)]
 
 
 def kept_blocks(num_blocks: torch.Tensor, cfg: GSAConfig) -> torch.Tensor:
@@ -94,9 +173,35 @@ class GSA(SparseMethod):
         self.cfg = cfg
         self.impl = impl
 
-    def new_summaries(self, num_blocks: int, num_kv_heads: int, head_dim: int, device: torch.device) -> KeyBounds:
-        """An all-stale :class:`KeyBounds` table for ``num_blocks`` blocks."""
+    def new_summaries(self, num_blocks: int, num_kv_heads: int, head_dim: int, device: torch.device) -> BlockSummaries:
+        """An all-stale table for ``num_blocks`` blocks: :class:`KeyBounds`, or :class:`AttentionMass` with
+        ``block_scoring: attention``."""
+        if self.cfg.block_scoring == "attention":
+            return AttentionMass(num_blocks, device)
         return KeyBounds(num_blocks, num_kv_heads, head_dim, device, "torch" if self.impl == "reference" else self.impl)
+
+    def observe(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        summaries: BlockSummaries,
+        block_table: torch.Tensor,
+        seq_len: int,
+        scale: float,
+    ) -> None:
+        """With ``block_scoring: attention``, score the request's blocks by the attention of its last
+        ``observation_window`` queries of this prefill step (see :meth:`SparseMethod.observe`); else nothing."""
+        if not isinstance(summaries, AttentionMass):
+            return
+        block_size = keys.shape[2]
+        n = -(-seq_len // block_size)
+        if n < self.cfg.min_blocks:  # stays dense
+            return
+        ids = block_table[:n]
+        window = query[-self.cfg.observation_window :]
+        first = int(ids[0])
+        _drop_entries_of(summaries, ids[:-1], first)  # an earlier chunk's
+        summaries.entries[int(ids[-1])] = (first, attention_mass(window, keys, ids, seq_len, scale))
 
     def select(
         self,
@@ -110,10 +215,10 @@ class GSA(SparseMethod):
         """See :meth:`SparseMethod.select`. Rows with fewer than ``min_blocks`` blocks keep all of them.
 
         Raises:
-            TypeError: ``summaries`` is not a :class:`KeyBounds`.
+            TypeError: ``summaries`` is neither a :class:`KeyBounds` nor an :class:`AttentionMass`.
         """
-        if not isinstance(summaries, KeyBounds):
-            raise TypeError(f"GSA needs KeyBounds summaries, got {type(summaries).__name__}")
+        if not isinstance(summaries, (KeyBounds, AttentionMass)):
+            raise TypeError(f"GSA needs KeyBounds or AttentionMass summaries, got {type(summaries).__name__}")
         block_size = keys.shape[2]
         n = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
         sparse = n >= self.cfg.min_blocks
@@ -123,14 +228,47 @@ class GSA(SparseMethod):
             table, nb, lens = block_table[rows], n[rows], seq_lens[rows].long()
             cols = torch.arange(table.shape[1], device=table.device)[None, :]
             inside = cols < nb[:, None]
-            counts = torch.where(cols == (nb - 1)[:, None], lens[:, None] - (nb - 1)[:, None] * block_size, block_size)
-            summaries.refresh(keys, table[inside].long(), counts[inside])
-            if self.impl == "reference":
-                ub = block_scores_reference(query[rows], summaries.kmin, summaries.kmax, table, nb)
+            if isinstance(summaries, AttentionMass):
+                scores = self._measured_scores(query[rows], keys, summaries, table, nb, lens, scale)
             else:
-                ub = block_scores(query[rows], summaries.kmin, summaries.kmax, table, nb, impl=self.impl)
-            keep[rows] = keep_mask(aggregate_scores(ub, scale), nb, self.cfg)
+                counts = torch.where(
+                    cols == (nb - 1)[:, None], lens[:, None] - (nb - 1)[:, None] * block_size, block_size
+                )
+                summaries.refresh(keys, table[inside].long(), counts[inside])
+                if self.impl == "reference":
+                    ub = block_scores_reference(query[rows], summaries.kmin, summaries.kmax, table, nb)
+                else:
+                    ub = block_scores(query[rows], summaries.kmin, summaries.kmax, table, nb, impl=self.impl)
+                scores = aggregate_scores(ub, scale)
+            keep[rows] = keep_mask(scores, nb, self.cfg)
         return compact_block_table(block_table, seq_lens, keep, block_size)
+
+    @staticmethod
+    def _measured_scores(
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        summaries: AttentionMass,
+        table: torch.Tensor,
+        nb: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Scores ``[R, W]`` from each row's entry (blocks past the entry's: 0; only the forced last block can
+        be); a row without a valid entry gets one from its current query."""
+        scores = torch.full(table.shape, float("-inf"), dtype=torch.float32, device=table.device)
+        for r in range(table.shape[0]):
+            n = int(nb[r])
+            ids = table[r, :n]
+            last, first = int(ids[-1]), int(ids[0])
+            entry = summaries.entries.get(last)
+            if entry is None or entry[0] != first or entry[1].numel() > n:
+                entry = (first, attention_mass(query[r][None], keys, ids, int(lens[r]), scale))
+                _drop_entries_of(summaries, ids[-2:-1], first)  # the request's previous last block
+                summaries.entries[last] = entry
+            mass = entry[1]
+            scores[r, :n] = 0.0
+            scores[r, : mass.numel()] = mass
+        return scores
 
 
 def select_reference(

@@ -14,7 +14,9 @@ With no sparse method on, ``forward`` is vLLM's, untouched (same metadata object
   view of a persistent buffer shared by all layers and is never written) whose ``block_table``, ``seq_lens``,
   ``max_seq_len`` and ``scheduler_metadata`` (derived from ``seq_lens`` by vLLM's
   ``cpu_attn_get_scheduler_metadata``, recomputed here with the builder's arguments) name the kept blocks;
-- rows with more query tokens (prefill, chunked prefill) keep their dense block table.
+- rows with more query tokens (prefill, chunked prefill) keep their dense block table; the method may learn from
+  their queries (:meth:`~ucm.sparse.base.SparseMethod.observe`: GSA with ``block_scoring: attention`` scores the
+  request's blocks by the attention of the prompt's last queries).
 
 Dropping middle blocks changes no positions: RoPE is already applied to the cached keys, and the kernel only uses
 the compacted length for the causal bound of the single query, which stays the last token.
@@ -185,10 +187,14 @@ def sparse_cpu_metadata(
     summaries.invalidate_slots(md.slot_mapping[: md.num_actual_tokens], block_size)
     num_reqs = md.seq_lens.shape[0]
     starts = md.query_start_loc[: num_reqs + 1]
-    rows = ((starts[1:] - starts[:-1]) == 1).nonzero().flatten()
+    query_lens = starts[1:] - starts[:-1]
+    keys = paged_keys(kv_cache, KVLayout.CPU_ATTN)
+    for r in (query_lens > 1).nonzero().flatten().tolist():  # prefill rows: the method may learn from them
+        end = int(starts[r + 1])
+        method.observe(query[int(starts[r]) : end], keys, summaries, md.block_table[r], int(md.seq_lens[r]), scale)
+    rows = (query_lens == 1).nonzero().flatten()
     if rows.numel() == 0:
         return md
-    keys = paged_keys(kv_cache, KVLayout.CPU_ATTN)
     sel = method.select(query[starts[rows].long()], keys, summaries, md.block_table[rows], md.seq_lens[rows], scale)
     _announce(method.name, int(sel.kept.sum()), int(sel.num_blocks.sum()))
     if logger.isEnabledFor(logging.DEBUG):
