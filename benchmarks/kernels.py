@@ -2,9 +2,11 @@
 
 Run ``python benchmarks/kernels.py [--device cpu|cuda] [--quick]``. For each op (``gather_blocks``,
 ``scatter_blocks``, ``gather_layers`` of one layer), layout and size it times the op and a contiguous torch
-``copy_`` of the same number of bytes in the same run (best of ``--repeats``; CUDA timed with events), and prints
-a table, then as its LAST line a JSON object: per case the bytes moved, GB/s (1e9 bytes/s; bytes counted once,
-the size of the canonical staging tensor), the copy's GB/s and ``ratio`` = op GB/s / copy GB/s.
+``copy_`` of the same number of bytes in the same run (``--repeats`` each, the two timed in alternation; CUDA
+timed with events), and prints a table, then as its LAST line a JSON object: per case the bytes moved, GB/s
+(1e9 bytes/s, best repeat; bytes counted once, the size of the canonical staging tensor), the copy's GB/s and
+``ratio``: the median over repeats of that repeat's copy time / op time (op speed as a fraction of the copy's,
+paired so that machine noise cancels).
 
 Sizes come from real models at block_size 128: Llama-8B-like (32 layers, 8 KV heads, head_dim 128, 16 MiB per
 bf16 block) and Qwen-32B-like (64 layers, 8 KV heads, head_dim 128, 32 MiB per block), 16 to 256 blocks. On CPU the
@@ -16,9 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,23 +35,27 @@ MODELS = {"llama8b": (32, 8, 128), "qwen32b": (64, 8, 128)}  # layers, kv heads,
 BLOCK_SIZE = 128
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Best wall time of ``fn`` in seconds (after one warm-up call)."""
-    fn()
-    best = float("inf")
+def timed_pair(fns: Sequence[Callable[[], object]], device: torch.device, repeats: int) -> list[list[float]]:
+    """Wall times in seconds of each of ``fns``, ``repeats`` each (after one warm-up call each), timed in
+    alternation: every repeat runs each once, so that drift in the machine's state (other jobs, memory bandwidth)
+    reaches all alike and per-repeat ratios compare like with like."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-    return best
+        for k, fn in enumerate(fns):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[k].append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+    return times
 
 
 def paged(layout: KVLayout, num_blocks: int, heads: int, dim: int) -> tuple[int, ...]:
@@ -71,7 +78,7 @@ def run_case(
     ids = torch.randperm(num_blocks, device="cpu")[:n].to(device)
     blocks = gather_blocks(caches, ids, layout, impl=impl)  # type: ignore[arg-type]
     one_layer = gather_layers(caches[:1], ids, layout, impl=impl)  # type: ignore[arg-type]
-    rows = []
+    rows: list[dict[str, object]] = []
     ops: dict[str, tuple[Callable[[], object], torch.Tensor]] = {
         "gather_blocks": (lambda: gather_blocks(caches, ids, layout, out=blocks, impl=impl), blocks),  # type: ignore[arg-type]
         "scatter_blocks": (lambda: scatter_blocks(blocks, caches, ids, layout, impl=impl), blocks),  # type: ignore[arg-type]
@@ -81,8 +88,12 @@ def run_case(
         nbytes = staging.numel() * staging.element_size()
         src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
         dst = torch.empty_like(src)
-        t_copy = timed(lambda src=src, dst=dst: dst.copy_(src), device, repeats)
-        t_op = timed(fn, device, repeats)
+
+        def copy(src: torch.Tensor = src, dst: torch.Tensor = dst) -> object:
+            return dst.copy_(src)
+
+        copy_times, op_times = timed_pair([copy, fn], device, repeats)
+        t_copy, t_op = min(copy_times), min(op_times)
         del src, dst
         rows.append(
             {
@@ -94,7 +105,7 @@ def run_case(
                 "bytes": nbytes,
                 "gbps": round(nbytes / t_op / 1e9, 2),
                 "copy_gbps": round(nbytes / t_copy / 1e9, 2),
-                "ratio": round(t_copy / t_op, 3),
+                "ratio": round(statistics.median([c / o for c, o in zip(copy_times, op_times, strict=True)]), 3),
             }
         )
     return rows

@@ -110,6 +110,37 @@ def check_all_ops(caches: list[torch.Tensor], layout: KVLayout, impl: str) -> No
     assert bits_equal(one[0].cpu(), want[0])
 
 
+@pytest.mark.parametrize(
+    ("shape", "tile"),
+    [((128, 2, 128), 32), ((128, 3, 64), 32), ((16, 3, 80), 16), ((32, 1, 48), 16), ((20, 2, 24), 0)],
+    ids=lambda v: shape_id(v) if isinstance(v, tuple) else f"tile{v}",
+)
+@pytest.mark.parametrize("nontemporal", [True, False], ids=["nontemporal", "cached"])
+def test_cpu_attn_tile_kernel(shape: tuple, tile: int, nontemporal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU_ATTN tile kernel at tile 32 and 16, with non-temporal and with ordinary stores (the size threshold for
+    non-temporal stores set to 0 or out of reach, so both run on small data), bit-exact through every op into
+    poisoned outputs; shapes no tile divides (block_size 20) take the word kernels; a gather into a staging buffer one
+    element off alignment takes ordinary stores."""
+    from ucm.kernels import _block_copy
+
+    monkeypatch.setattr(_block_copy, "_NONTEMPORAL_MIN_BYTES", 0 if nontemporal else 1 << 62)
+    plans: list[tuple[int, bool]] = []
+    real_plan = _block_copy.cpu_attn_plan
+    monkeypatch.setattr(_block_copy, "cpu_attn_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    caches = make_caches(KVLayout.CPU_ATTN, torch.bfloat16, shape)
+    check_all_ops(caches, KVLayout.CPU_ATTN, "cpu")
+    assert plans and set(plans) == {(tile, nontemporal and tile > 0 and _block_copy._NONTEMPORAL)}, plans
+
+    ids = torch.tensor(IDS)
+    ref = gather_blocks_reference(caches, ids, KVLayout.CPU_ATTN)
+    flat = poisoned((ref.numel() + 1,), ref.dtype)
+    out = flat[1:].view(ref.shape)  # contiguous, 2 bytes past an aligned address
+    plans.clear()
+    assert bits_equal(gather_blocks(caches, ids, KVLayout.CPU_ATTN, out=out, impl="cpu"), ref)
+    assert plans == [(tile, False)]
+    assert bits_equal(flat[:1], poisoned((1,), ref.dtype))  # nothing written before the buffer
+
+
 SPLIT_SHAPES = {  # one layer's paged shape: 10 blocks, block_size 128, 2 KV heads of head_dim 128 (MLA: 576)
     KVLayout.CPU_ATTN: (10, 2, 128, 2 * 128),
     KVLayout.FLASH_NHD: (2, 10, 128, 2, 128),
