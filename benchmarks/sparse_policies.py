@@ -1,4 +1,5 @@
-"""Block-selection policies for sparse decode, against an oracle: how close can one block set per layer get to dense?
+"""Block-selection policies for sparse decode, against an oracle: how close can one block set per layer get to dense,
+and one block set per KV head?
 
 Run::
 
@@ -25,6 +26,10 @@ Policies (every one keeps blocks with GSA's rule, :func:`ucm.sparse.gsa.keep_mas
   computed once at prefill and kept for the whole decode (the observation window of SnapKV, Li et al. 2024, "SnapKV:
   LLM Knows What You are Looking for Before Generation"). ``snap1`` uses only the last prompt token, the one a
   storage hit still computes.
+- ``oracle_head``, ``snapW_head``: the same scores kept per KV head (summed over the query heads that share it), each
+  KV head keeping its own blocks under the same rule and budget. One block table per request cannot express this
+  (vLLM's paged attention kernels take one per sequence); these ask whether a kernel taking per-head tables would be
+  worth building.
 
 Reported per policy and fraction: correct answers per task, their share of dense's, and answers token-identical to
 dense. The last line printed is a JSON object with every number.
@@ -52,9 +57,10 @@ from ucm.kernels.block_scores import block_scores_reference  # noqa: E402
 from ucm.sparse.gsa import aggregate_scores, keep_mask  # noqa: E402
 
 BLOCK_SIZE = 128  # vLLM's CPU attention block size: the granularity the engine selects at
+ALLOWED = "gsa, oracle, snap<W>, oracle_head, snap<W>_head"
 TASKS = ("passkey", "multidoc")
 ATTENTION_NAME = "ucm_sparse_policy"
-_SNAP = re.compile(r"snap(\d+)")
+_SNAP = re.compile(r"snap(\d+)(_head)?")
 
 
 class SparseDecode:
@@ -62,7 +68,7 @@ class SparseDecode:
     steps under the current :attr:`policy` and :attr:`cfg`.
 
     Attributes:
-        policy: ``dense``, ``gsa``, ``oracle`` or ``snap<W>``.
+        policy: ``dense``, ``gsa``, ``oracle``, ``snap<W>``, ``oracle_head`` or ``snap<W>_head``.
         cfg: GSA's windows and budget (``sparse_ratio`` = the kept fraction).
         kept: kept blocks / blocks over the sparse steps so far (for the report).
     """
@@ -98,21 +104,25 @@ class SparseDecode:
         group = q.shape[0] // k.shape[0]
         length = k.shape[1]
         n = math.ceil(length / BLOCK_SIZE)
-        keep = torch.ones(n, dtype=torch.bool)
+        keep = torch.ones(1, n, dtype=torch.bool)  # [1 or KVH, n]: one block set per layer, or per KV head
         if self.policy != "dense":
-            scores = self.scores(module.layer_idx, q, k, group, scale)
-            keep = keep_mask(scores[None], torch.tensor([n]), self.cfg)[0]
+            scores = self.scores(module.layer_idx, q, k, group, scale)  # [n] or [KVH, n]
+            scores = scores.view(-1, n)
+            keep = keep_mask(scores, torch.full((scores.shape[0],), n), self.cfg)
             self.kept[0] += int(keep.sum())
-            self.kept[1] += n
-        tokens = keep.repeat_interleave(BLOCK_SIZE)[:length]
+            self.kept[1] += keep.numel()
+        tokens = keep.repeat_interleave(BLOCK_SIZE, 1)[:, :length]
+        if tokens.shape[0] > 1:
+            tokens = tokens.repeat_interleave(group, 0)  # per query head: its KV head's blocks
         kk, vv = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [H, L, D]
         logits = torch.einsum("hd,hld->hl", q, kk) * scale
-        p = torch.softmax(logits.masked_fill(~tokens[None], float("-inf")), dim=-1)
+        p = torch.softmax(logits.masked_fill(~tokens, float("-inf")), dim=-1)
         out = torch.einsum("hl,hld->hd", p, vv)
         return out[None, None].to(query.dtype), None
 
     def scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, group: int, scale: float) -> torch.Tensor:
-        """Block scores float32 ``[n]`` of one decode step (higher = keep first)."""
+        """Block scores float32 ``[n]`` of one decode step (higher = keep first); ``[KVH, n]`` for the per-head
+        policies."""
         n = math.ceil(k.shape[1] / BLOCK_SIZE)
         if self.policy == "gsa":
             blocks = torch.nn.functional.pad(k, (0, 0, 0, n * BLOCK_SIZE - k.shape[1]), value=float("nan"))
@@ -121,13 +131,15 @@ class SparseDecode:
             kmax = torch.nan_to_num(blocks, nan=float("-inf")).amax(2).transpose(0, 1)
             ub = block_scores_reference(q[None], kmin, kmax, torch.arange(n)[None], torch.tensor([n]))
             return aggregate_scores(ub, scale)[0]
-        if self.policy == "oracle":
-            return block_mass(q[:, None], k, group, scale, k.shape[1] - 1, n).sum(0)
-        match = _SNAP.fullmatch(self.policy)
-        if match:
+        per_head = self.policy.endswith("_head")
+        if self.policy in ("oracle", "oracle_head"):
+            mass = block_mass(q[:, None], k, group, scale, k.shape[1] - 1, n)
+        elif match := _SNAP.fullmatch(self.policy):
             queries = self.prompt_queries[layer][:, -int(match.group(1)) :]
-            return block_mass(queries, k[:, : self.prompt_len], group, scale, self.prompt_len - 1, n).sum(0)
-        raise ValueError(f"policy {self.policy!r} is not one of dense, gsa, oracle, snap<W>")
+            mass = block_mass(queries, k[:, : self.prompt_len], group, scale, self.prompt_len - 1, n)
+        else:
+            raise ValueError(f"policy {self.policy!r} is not one of {ALLOWED}")
+        return mass.view(-1, group, n).sum(1) if per_head else mass.sum(0)  # [KVH, n] or [n]
 
 
 def block_mass(queries: torch.Tensor, k: torch.Tensor, group: int, scale: float, last_pos: int, n: int) -> torch.Tensor:
@@ -229,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON summary here")
     args = parser.parse_args(argv)
-    bad = [p for p in args.policies if p not in ("gsa", "oracle") and not _SNAP.fullmatch(p)]
+    bad = [p for p in args.policies if p not in ("gsa", "oracle", "oracle_head") and not _SNAP.fullmatch(p)]
     if bad:
-        parser.error(f"--policies {bad}: allowed are gsa, oracle, snap<W> (e.g. snap16)")
+        parser.error(f"--policies {bad}: allowed are {ALLOWED} (e.g. snap16, snap16_head)")
     if any(not 0 < f <= 1 for f in args.fractions):
         parser.error(f"--fractions {args.fractions}: each must be in (0, 1]")
     if args.threads:

@@ -26,24 +26,25 @@ def bench() -> ModuleType:
 def test_tiny_run(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model), "--seeds", "0", "--lengths", "1024"]
-    cmd += ["--fractions", "1.0", "0.3", "--policies", "gsa", "oracle", "snap4", "--out", str(out)]
+    policies = ["gsa", "oracle", "snap4", "oracle_head", "snap4_head"]
+    cmd += ["--fractions", "1.0", "0.3", "--policies", *policies, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary == json.loads(out.read_text())
     results = summary["results"]
     items = 5 + 4  # passkey depths + multi-doc questions at one length
-    for policy in ("gsa", "oracle", "snap4"):
+    for policy in policies:
         full, sparse = results[f"{policy}@1.0"], results[f"{policy}@0.3"]
         assert full["same_tokens_as_dense"] == f"{items}/{items}" and full["kept_block_fraction"] == 1.0
-        # ~1024-token prompts are 8-9 blocks: ceil(0.3 n) = 3 kept (the two windows and one more)
+        # ~1024-token prompts are 8-9 blocks: ceil(0.3 n) = 3 kept (the two windows and one more), per KV head too
         assert 0.3 <= sparse["kept_block_fraction"] <= 0.4
         assert sparse["passkey"]["of"] == 5 and sparse["multidoc"]["of"] == 4
 
 
 def test_bad_policy_is_refused() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--policies", "quest"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "allowed are gsa, oracle, snap<W>" in proc.stderr
+    assert proc.returncode == 2 and "allowed are gsa, oracle, snap<W>, oracle_head, snap<W>_head" in proc.stderr
 
 
 def test_block_mass_is_the_softmax_mass_of_each_block(bench: ModuleType) -> None:

@@ -362,7 +362,7 @@ def _copy_cpu(
 # Non-temporal stores in the tile kernels: x86-64 only (elsewhere their lowering and the fence's cost are unmeasured),
 # and only for copies of at least _NONTEMPORAL_MIN_BYTES. Smaller ones may fit the last-level cache, where the next
 # reader (attention after a scatter, the store after a gather) finds them; measured on this repo's machine, an 8 MiB
-# gather ran at 18-36 GB/s with ordinary stores against 22 with non-temporal ones, a 256 MiB one at 17-18 against
+# gather ran at 18-36 GB/s with ordinary stores against 22 with non-temporal ones, a 256 MiB one at 16-18 against
 # 21-24.
 _NONTEMPORAL = platform.machine().lower() in ("x86_64", "amd64")
 _NONTEMPORAL_MIN_BYTES = 16 << 20
