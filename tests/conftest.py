@@ -9,6 +9,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path(os.environ.get("UCM_MODELS_DIR", REPO / "models"))
+needs_aio = pytest.mark.needs_aio  # see pytest_collection_modifyitems
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the ``needs_aio`` tests, naming why, where ``posix_io_engine: aio`` cannot start (e.g. the liburing
+    wheel's AVX-512 code on a CPU without it: a SIGILL would kill the whole test run). Where it can, they run."""
+    aio_items = [item for item in items if item.get_closest_marker("needs_aio")]
+    if not aio_items:
+        return
+    from ucm.store.posix_uring import aio_unusable_reason
+
+    reason = aio_unusable_reason()
+    if reason is not None:
+        for item in aio_items:
+            item.add_marker(pytest.mark.skip(reason=f"aio engine unusable on this machine: {reason}"))
 
 
 @pytest.fixture(scope="session")

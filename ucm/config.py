@@ -97,7 +97,10 @@ class UcmPipelineStoreConfig(_Strict):
         "raw). Needs a Compress stage.",
     )
     decompress_thread_num: int = Field(
-        4, ge=1, le=1024, description="Compress stage: encode/decode threads. Needs a Compress stage."
+        4,
+        ge=1,
+        le=1024,
+        description="Compress stage: encode threads, and the most blocks decoded at once. Needs a Compress stage.",
     )
 
     @field_validator("cache_buffer_capacity_gb", "posix_capacity_gb", mode="before")

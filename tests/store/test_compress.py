@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import needs_aio
 from tests.store.blocks import make_keys, poisoned
+from tests.store.conftest import STORE_MODE_PARAMS
 from ucm.store.compress import CompressStore
-from ucm.store.kvfold import KVGeometry
+from ucm.store.kvfold import CONTAINER, KVGeometry
 from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER, HEADER_NBYTES, EncodedBlock, PosixStore
 
 # A small model's block: 3 layers, block_size 16, 2 KV heads, head_dim 32 -> 12 KiB per block.
@@ -66,10 +68,7 @@ def load_all(store: CompressStore | PosixStore, keys: list[bytes], nbytes: int) 
     return dst, set(result.failed)
 
 
-@pytest.fixture(
-    params=[("psync", False), ("psync", True), ("aio", False), ("aio", True)],
-    ids=["psync", "psync-direct", "aio", "aio-direct"],
-)
+@pytest.fixture(params=STORE_MODE_PARAMS)
 def store(root: Path, request: pytest.FixtureRequest) -> Iterator[CompressStore]:
     """A lossless Compress stage over a Posix stage in each engine and I/O mode."""
     io_engine, io_direct = request.param
@@ -221,7 +220,7 @@ def test_damaged_compressed_block_is_a_miss(store: CompressStore, damage: str) -
     if damage == "flip-sm-plane":
         flip_byte(path, 1)  # last byte: the raw sign+mantissa plane of the last section
     elif damage == "flip-zstd-frame":
-        flip_byte(path, size - HEADER_NBYTES - 16 - 4 * 2 * GEOMETRY.num_layers - 4 - 10)  # inside section 0's frame
+        flip_byte(path, size - HEADER_NBYTES - CONTAINER.size - 4 - 10)  # inside the exponent plane's zstd frame
     else:
         os.truncate(path, size - 100)
     dst, failed = load_all(store, keys, blocks.shape[1])
@@ -325,20 +324,16 @@ def test_decoding_starts_while_later_blocks_are_still_read(
     keys, blocks = make_keys(3, seed=11), kv_blocks(3, seed=11)
     assert not store.wait(store.dump(keys, blocks)).failed
     gate, decoded = threading.Event(), threading.Semaphore(0)
-    read_one, decode = store.inner._load_encoded_one, store._decode
+    read_one = store.inner._load_encoded_one
 
     def held_read(key: bytes, *args: object) -> bool:
         if key == keys[2]:
             assert gate.wait(30), "the held read was never released"
-        return read_one(key, *args)  # type: ignore[arg-type]
-
-    def counted_decode(*args: object) -> str:
-        kind = decode(*args)  # type: ignore[arg-type]
+        ok = read_one(key, *args)  # type: ignore[arg-type]
         decoded.release()
-        return kind
+        return ok
 
     monkeypatch.setattr(store.inner, "_load_encoded_one", held_read)
-    monkeypatch.setattr(store, "_decode", counted_decode)
     dst = poisoned(3, blocks.shape[1])
     task = store.load(keys, dst)
     try:
@@ -351,25 +346,39 @@ def test_decoding_starts_while_later_blocks_are_still_read(
     assert torch.equal(dst, blocks)
 
 
-def test_load_encoded_reports_each_read_block(root: Path) -> None:
-    """``on_loaded(i)`` runs once per block read (not for a missing one); an exception from it fails that key."""
-    posix = PosixStore(str(root))
+@pytest.mark.parametrize(
+    "io", [("psync", False), pytest.param(("aio", True), marks=needs_aio)], ids=["psync", "aio-direct"]
+)
+def test_load_encoded_hands_each_block_to_the_consumer(root: Path, io: tuple[str, bool]) -> None:
+    """``consume(i, block)`` runs once per block read and checked (not for a missing one), on the I/O thread, with
+    a view of that thread's reused buffer; its reason fails the key (a foreign one keeps the file, others remove
+    it), and so does an exception."""
+    posix = PosixStore(str(root), io_threads=1, io_engine=io[0], io_direct=io[1])
     try:
-        keys, blocks = make_keys(4, seed=12), kv_blocks(4, seed=12)
-        assert not posix.wait(posix.dump(keys[:3], blocks[:3])).failed
-        seen: list[int] = []
-        lock = threading.Lock()
+        keys, blocks = make_keys(5, seed=12), kv_blocks(5, seed=12)
+        assert not posix.wait(posix.dump(keys[:4], blocks[:4])).failed
+        seen: dict[int, bytes] = {}
+        buffers: set[int] = set()
 
-        def on_loaded(i: int) -> None:
-            with lock:
-                seen.append(i)
+        def consume(i: int, block: EncodedBlock) -> str | None:
+            assert block.codec == CODEC_RAW and isinstance(block.payload, memoryview)
+            seen[i] = bytes(block.payload)
+            buffers.add(id(block.payload.obj))
             if i == 1:
+                return "foreign: not for this consumer"
+            if i == 2:
+                return "does not decode"
+            if i == 3:
                 raise RuntimeError("consumer failed")
+            return None
 
-        out: list[EncodedBlock | None] = [None] * 4
-        result = posix.wait(posix.load_encoded(keys, out, 1 << 20, on_loaded=on_loaded))
-        assert sorted(seen) == [0, 1, 2]
-        assert set(result.failed) == {1, 3}  # 1: its consumer raised; 3: never stored
-        assert out[0] is not None and bytes(out[0].payload) == blocks[0].numpy().tobytes()
+        result = posix.wait(posix.load_encoded(keys, 1 << 20, consume))
+        assert sorted(seen) == [0, 1, 2, 3]
+        assert all(seen[i] == blocks[i].numpy().tobytes() for i in seen)
+        assert len(buffers) == 1  # one I/O thread: one buffer, reused for every block
+        assert set(result.failed) == {1, 2, 3, 4}  # 1, 2: the consumer's reasons; 3: it raised; 4: never stored
+        assert os.path.exists(posix.block_path(keys[1]))  # foreign: kept
+        assert not os.path.exists(posix.block_path(keys[2]))  # damaged: removed
+        assert os.path.exists(posix.block_path(keys[0]))
     finally:
         posix.close()

@@ -7,9 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 
+from tests.store.test_compress import all_bf16_patterns
+from ucm.kernels.bf16_planes import split_bf16_planes
 from ucm.store.base import BlockCorruptedError
-from ucm.store.kvfold import CONTAINER, KVGeometry, container_mode, decode_block, encode_block
+from ucm.store.kvfold import (
+    CONTAINER,
+    CONTAINER_VERSION,
+    LOSSLESS_ZSTD_PARAMS,
+    KVGeometry,
+    container_mode,
+    decode_block,
+    encode_block,
+)
 
 GEOMETRY = KVGeometry(num_layers=2, block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
 
@@ -62,14 +73,15 @@ def test_incompressible_plane_is_stored_raw() -> None:
     gen = torch.Generator().manual_seed(2)
     raw = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)  # uniform exponents
     container, sizes, _ = encode_block(raw, "lossless")
-    assert sizes == [4 + 2048 + 2048]
+    assert sizes == [2048 + 2048]
+    assert len(container) == CONTAINER.size + 4 + 4096  # both planes raw
     out = torch.empty_like(raw)
     decode_block(container, out)
     assert torch.equal(out, raw)
 
 
 def corruptions(container: bytes) -> dict[str, bytes]:
-    header_end = CONTAINER.size + 4 * 2 * GEOMETRY.num_layers
+    body = CONTAINER.size  # lossless body: u32 exponent plane size, the plane (a zstd frame), the sign+mantissa plane
     b = bytearray(container)
     cases = {}
 
@@ -78,15 +90,17 @@ def corruptions(container: bytes) -> dict[str, bytes]:
         c[offset : offset + len(value)] = value
         return bytes(c)
 
+    (plane,) = struct.unpack_from("<I", b, body)
     cases["version"] = patched(0, b"\x09")
     cases["mode"] = patched(1, b"\x07")
     cases["dtype"] = patched(2, b"\x05")
     cases["block-size"] = patched(4, struct.pack("<I", len(container)))
     cases["sections-zero"] = patched(8, struct.pack("<I", 0))
     cases["sections-odd"] = patched(8, struct.pack("<I", 3))
-    cases["section-size"] = patched(CONTAINER.size, struct.pack("<I", 5))
-    cases["plane-size"] = patched(header_end, struct.pack("<I", 7))
-    cases["zstd-magic"] = patched(header_end + 4, b"\x00\x00\x00\x00")
+    cases["plane-size"] = patched(body, struct.pack("<I", 7))
+    cases["plane-size-over"] = patched(body, struct.pack("<I", plane + 1))
+    cases["zstd-magic"] = patched(body + 4, b"\x00\x00\x00\x00")
+    cases["zstd-content-size"] = patched(body + 4 + 5, b"\x01")  # the frame header's content size (2 bytes here)
     cases["truncated"] = bytes(b[:-1])
     cases["extended"] = bytes(b) + b"\x00"
     cases["short"] = bytes(b[:10])
@@ -102,9 +116,10 @@ def corruptions(container: bytes) -> dict[str, bytes]:
         "block-size",
         "sections-zero",
         "sections-odd",
-        "section-size",
         "plane-size",
+        "plane-size-over",
         "zstd-magic",
+        "zstd-content-size",
         "truncated",
         "extended",
         "short",
@@ -138,3 +153,62 @@ def test_bad_encode_arguments() -> None:
         encode_block(torch.zeros(5, dtype=torch.uint8), "lossless")
     with pytest.raises(ValueError, match="mode"):
         encode_block(torch.zeros(4, dtype=torch.uint8), "zip")  # type: ignore[arg-type]
+
+
+def version1_container(raw: torch.Tensor, sections: int) -> bytes:
+    """A lossless container in the version-1 layout (module docstring of ucm.store.kvfold), built here from the
+    planes: what UCM wrote before version 2, which stores keep."""
+    cctx = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(**LOSSLESS_ZSTD_PARAMS))
+    parts = []
+    for values in raw.view(torch.bfloat16).reshape(sections, -1):
+        exp, sm = split_bf16_planes(values)
+        packed = cctx.compress(exp.numpy().tobytes())
+        if len(packed) >= exp.numel():
+            packed = exp.numpy().tobytes()
+        parts.append(struct.pack("<I", len(packed)) + packed + sm.numpy().tobytes())
+    head = CONTAINER.pack(1, 1, 0, 0, raw.numel(), sections, 0)
+    return head + struct.pack(f"<{sections}I", *map(len, parts)) + b"".join(parts)
+
+
+@pytest.mark.parametrize("which", ["kv", "all-bf16-patterns"])
+def test_version1_containers_still_decode(which: str) -> None:
+    """Stores written before the one-frame layout stay readable, bit-exact; damaged ones still raise."""
+    if which == "kv":
+        raw, sections = kv_block(6), 2 * GEOMETRY.num_layers
+    else:
+        raw, sections = all_bf16_patterns()[0], 4
+    container = version1_container(raw, sections)
+    assert container[0] == 1 and CONTAINER_VERSION == 2
+    out = torch.full_like(raw, 0xA5)
+    assert decode_block(container, out) == "lossless"
+    assert torch.equal(out, raw)
+    for bad in (
+        container[:-1],
+        container[: CONTAINER.size + 4 * sections + 6] + b"\x00" * 4 + container[CONTAINER.size + 4 * sections + 10 :],
+    ):
+        with pytest.raises(BlockCorruptedError):
+            decode_block(bad, torch.empty_like(raw))
+
+
+def test_int8_version1_container_still_decodes() -> None:
+    """The int8 body did not change: a version-1 int8 container is the version-2 one with its version byte 1."""
+    raw = kv_block(7)
+    container, _, _ = encode_block(raw, "int8", GEOMETRY)
+    expected = torch.empty_like(raw)
+    decode_block(container, expected)
+    out = torch.full_like(raw, 0xA5)
+    assert decode_block(b"\x01" + container[1:], out) == "int8"
+    assert torch.equal(out, expected)
+
+
+def test_lossless_frame_has_one_zstd_block_per_section() -> None:
+    """The exponent plane is one frame whose blocks end at section boundaries: each section's reported size is its
+    share of the frame plus its sign+mantissa bytes, and they add up to the body."""
+    container, sizes, _ = encode_block(kv_block(8), "lossless", GEOMETRY)
+    (plane,) = struct.unpack_from("<I", container, CONTAINER.size)
+    n = GEOMETRY.section_values
+    assert len(sizes) == 2 * GEOMETRY.num_layers
+    assert all(size > n for size in sizes)
+    frame_overhead = plane - sum(size - n for size in sizes)  # frame header and the empty last block
+    assert 0 < frame_overhead <= 32
+    assert len(container) == CONTAINER.size + 4 + plane + 2 * GEOMETRY.num_layers * n

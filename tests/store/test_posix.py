@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import needs_aio
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from tests.store.conftest import STORE_MODES
+from tests.store.conftest import usable_store_modes
 from ucm.store import posix_uring
 from ucm.store.base import Task, TaskResult
 from ucm.store.posix import (
@@ -39,7 +40,12 @@ def all_files(root: Path) -> list[Path]:
 
 
 # (io_engine, io_direct): every engine and I/O mode the store supports.
-@pytest.fixture(params=[False, True], ids=["aio-buffered", "aio-direct"])
+@pytest.fixture(
+    params=[
+        pytest.param(False, id="aio-buffered", marks=needs_aio),
+        pytest.param(True, id="aio-direct", marks=needs_aio),
+    ]
+)
 def aio_store(tmp_path: Path, request: pytest.FixtureRequest):
     """An io_uring store on a temp directory, buffered and with O_DIRECT."""
     s = PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=request.param)
@@ -422,10 +428,11 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("nbytes", [1, 4052, 4053, 8192, 100_000])
 def test_files_identical_across_engines_and_io_modes(tmp_path: Path, nbytes: int) -> None:
     """Every engine and I/O mode writes the same bytes (O_DIRECT writes whole 4 KiB units and truncates the padding),
-    and every mode reads every other mode's files."""
+    and every mode reads every other mode's files (the modes that can start here: see ``usable_store_modes``)."""
     keys = make_keys(3, seed=50)
     src = make_blocks(3, nbytes, seed=51)
-    dirs = {mode: tmp_path / f"{mode[0]}-{int(mode[1])}" for mode in STORE_MODES}
+    modes = usable_store_modes()
+    dirs = {mode: tmp_path / f"{mode[0]}-{int(mode[1])}" for mode in modes}
     for (io_engine, io_direct), d in dirs.items():
         writer = PosixStore(str(d), io_engine=io_engine, io_direct=io_direct)
         assert writer.wait(writer.dump(keys, src)).ok
@@ -435,7 +442,7 @@ def test_files_identical_across_engines_and_io_modes(tmp_path: Path, nbytes: int
         for k in keys:
             name = Path(block_file_path([str(d)], k)).relative_to(d)
             assert (d / name).read_bytes() == (reference / name).read_bytes()
-    for io_engine, io_direct in STORE_MODES:
+    for io_engine, io_direct in modes:
         for d in dirs.values():
             reader = PosixStore(str(d), io_engine=io_engine, io_direct=io_direct)
             dst = poisoned(3, nbytes)
@@ -443,7 +450,7 @@ def test_files_identical_across_engines_and_io_modes(tmp_path: Path, nbytes: int
             reader.close()
 
 
-@pytest.mark.parametrize("io_engine", ["psync", "aio"])
+@pytest.mark.parametrize("io_engine", ["psync", pytest.param("aio", marks=needs_aio)])
 def test_direct_io_refused_names_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_engine) -> None:
     """A filesystem refusing O_DIRECT (EINVAL at open, as older tmpfs and some FUSE mounts do) stops start-up with
     an error naming the directory, for either engine, leaving nothing running. Injected: every filesystem on this
@@ -471,6 +478,7 @@ def test_direct_io_refused_names_the_directory(tmp_path: Path, monkeypatch: pyte
 # -- aio engine (io_uring) ----------------------------------------------------------------------------------------
 
 
+@needs_aio  # the binding runs in this process up to the injected failure
 def test_aio_refused_when_io_uring_is_unusable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel refusing io_uring (kernel.io_uring_disabled, seccomp: EPERM at setup) stops start-up with an error
     naming the engine, the reason and the allowed engine; no silent fallback to psync. Injected: this machine's
@@ -487,6 +495,43 @@ def test_aio_refused_when_io_uring_is_unusable(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(ValueError, match=r"posix_io_engine: aio .*Operation not permitted.*allowed: psync"):
         PosixStore(str(tmp_path / "kv"), io_engine="aio")
     assert set(threading.enumerate()) == before  # nothing left running
+
+
+def test_aio_refused_when_the_binding_crashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A binding that kills its process (the liburing wheel's AVX-512 code on a CPU without it dies of SIGILL) is
+    found in a child process and refused at start with the signal named, never run in the serving process. Injected:
+    the child kills itself with SIGILL."""
+    from ucm.store import posix_uring
+
+    monkeypatch.setattr(posix_uring, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    posix_uring._binding_crash.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"posix_io_engine: aio is not usable: .* with SIGILL .*allowed: psync"):
+            PosixStore(str(tmp_path / "kv"), io_engine="aio")
+    finally:
+        posix_uring._binding_crash.cache_clear()  # the next aio store probes the real binding again
+
+
+def test_aio_starts_or_says_why_not(tmp_path: Path) -> None:
+    """On this machine, unmocked: an aio store either starts and moves a block, or start-up fails with the reason
+    that ``aio_unusable_reason`` (what the ``needs_aio`` tests are skipped with) gives."""
+    from ucm.store.posix_uring import aio_unusable_reason
+
+    reason = aio_unusable_reason()
+    if reason is not None:
+        assert reason.startswith("posix_io_engine: aio") and reason.endswith("allowed: psync")
+        with pytest.raises(ValueError) as info:
+            PosixStore(str(tmp_path / "kv"), io_engine="aio")
+        assert str(info.value) == reason
+        return
+    store = PosixStore(str(tmp_path / "kv"), io_engine="aio")
+    try:
+        keys, src = make_keys(1, seed=60), make_blocks(1, 4096, seed=60)
+        dst = poisoned(1, 4096)
+        assert store.wait(store.dump(keys, src)).ok and store.wait(store.load(keys, dst)).ok
+        assert torch.equal(dst, src)
+    finally:
+        store.close()
 
 
 def test_aio_refused_without_liburing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -565,6 +610,7 @@ def test_write_past_file_size_limit_fails(store: PosixStore, tmp_path: Path, lim
     assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
 
 
+@needs_aio
 @pytest.mark.parametrize("io_direct", [False, True], ids=["aio-buffered", "aio-direct"])
 def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_direct: bool) -> None:
     """close() right after a dump of 256 blocks: the first completion is held until close has begun, so operations
@@ -606,6 +652,7 @@ def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest
     reader.close()
 
 
+@needs_aio
 def test_aio_direct_opens_block_files_with_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """aio + io_direct: the temp file written and the block file read are opened with O_DIRECT (the io_uring
     operations then move aligned buffers: a misaligned one fails with EINVAL, which the round trip rules out)."""
@@ -633,6 +680,7 @@ def test_aio_direct_opens_block_files_with_o_direct(tmp_path: Path, monkeypatch:
     assert all(flags & os.O_DIRECT for flags in temps + blocks)
 
 
+@needs_aio
 @pytest.mark.parametrize("nbytes", [4099, 100_000], ids=["nbytes4099", "nbytes100000_over_the_bound"])
 def test_aio_direct_buffers_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
     """The aligned buffers held by operations in flight stay within AIO_DIRECT_BUFFER_BYTES (here 3 buffers of
@@ -666,6 +714,7 @@ def test_aio_direct_buffers_are_bounded(tmp_path: Path, monkeypatch: pytest.Monk
     store.close()
 
 
+@needs_aio
 @pytest.mark.parametrize("io_direct", [False, True], ids=["aio-buffered", "aio-direct"])
 def test_pipeline_builds_aio_store(tmp_path: Path, io_direct: bool) -> None:
     from ucm.config import config_from_extra_config

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from tests.store.conftest import STORE_MODE_IDS, STORE_MODES
+from tests.store.conftest import STORE_MODE_PARAMS
 from tests.store.test_compress import GEOMETRY, NAMESPACE_INFO, TAG, kv_blocks, stored_codec
 from ucm.store import posix as posix_module
 from ucm.store.base import ShardProgress
 from ucm.store.compress import CompressStore
-from ucm.store.kvfold import CONTAINER, encode_block
+from ucm.store.kvfold import CONTAINER, CONTAINER_VERSION, encode_block
 from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER_NBYTES, PosixStore
 
 NBYTES = GEOMETRY.block_nbytes  # 12 KiB
@@ -42,7 +42,7 @@ def root(tmp_path: Path) -> Path:
     return tmp_path / "kv"
 
 
-@pytest.fixture(params=STORE_MODES, ids=STORE_MODE_IDS)
+@pytest.fixture(params=STORE_MODE_PARAMS)
 def posix(root: Path, request: pytest.FixtureRequest) -> Iterator[PosixStore]:
     """A plain Posix stage (no Compress stage above it) in each engine and I/O mode."""
     io_engine, io_direct = request.param
@@ -179,7 +179,7 @@ def test_damaged_compressed_file_is_a_removed_miss(
 
 def _garbage_container() -> bytes:
     """Passes the checksum (written as is), has a valid container header for a ``NBYTES`` block, then garbage."""
-    head = CONTAINER.pack(1, 1, 0, 0, NBYTES, 2 * GEOMETRY.num_layers, 0)
+    head = CONTAINER.pack(CONTAINER_VERSION, 1, 0, 0, NBYTES, 2 * GEOMETRY.num_layers, 0)
     return head + make_blocks(1, 5000, seed=25)[0].numpy().tobytes()
 
 
@@ -262,5 +262,5 @@ def test_debug_line_counts_decoded_blocks_and_lossy_is_logged_once(
 def test_container_header_layout_is_what_the_crafted_files_assume() -> None:
     """Guards the crafted containers above: version, mode, dtype, reserved, block bytes, sections, group."""
     container, _, _ = encode_block(kv_blocks(1, seed=32)[0], "lossless", GEOMETRY)
-    assert CONTAINER.unpack_from(container, 0) == (1, 1, 0, 0, NBYTES, 2 * GEOMETRY.num_layers, 0)
+    assert CONTAINER.unpack_from(container, 0) == (CONTAINER_VERSION, 1, 0, 0, NBYTES, 2 * GEOMETRY.num_layers, 0)
     assert struct.calcsize("<BBBBIII") == CONTAINER.size == 16

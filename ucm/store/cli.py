@@ -47,10 +47,10 @@ from tqdm import tqdm
 
 from ucm.config import GIB, UcmConfigError, load_config_file
 from ucm.store.posix import (
-    _FOREIGN,
     CODEC_KVFOLD,
     CODEC_RAW,
     FILE_SUFFIX,
+    FOREIGN,
     FORMAT_VERSION,
     HEADER,
     HEADER_NBYTES,
@@ -279,8 +279,8 @@ def verify_store(scan: StoreScan, remove: bool) -> list[Finding]:
             continue
         if reason is None:
             continue
-        if reason.startswith(_FOREIGN):
-            findings.append(Finding(info.path, "foreign", reason.removeprefix(_FOREIGN)))
+        if reason.startswith(FOREIGN):
+            findings.append(Finding(info.path, "foreign", reason.removeprefix(FOREIGN)))
             continue
         removed = False
         if remove:

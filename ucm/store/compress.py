@@ -18,10 +18,12 @@ with a per-(token, head) scale, ``compress_ratio: 16``), ``off`` (raw files thro
 dtype other than bf16 (learnt from :meth:`set_namespace`; the connector calls it with the model's KV spec) are stored
 raw, with one info log line.
 
-Work: blocks are encoded and decoded on ``threads`` threads (``decompress_thread_num``; zstandard and numpy release
-the GIL), one job per block; each load or dump task is run by one of a few coordinator threads (encode all, then
-one batched Posix dump; one batched Posix read, each block's decode started as soon as its file is read, so
-decoding overlaps the reads still waiting on the disk). With ``UC_LOGGER_LEVEL=debug``, per task::
+Work: blocks are encoded on ``threads`` threads (``decompress_thread_num``; zstandard and numba release the GIL),
+one job per block, then written in one batched Posix dump. A load is one batched Posix read
+(:meth:`~ucm.store.posix.PosixStore.load_encoded`): each I/O thread decodes the file it has just read, from its own
+reused buffer, straight into the destination row, so decoding overlaps the reads still waiting on the disk and no
+buffer is allocated per block; at most ``threads`` blocks decode at once. Each load or dump task is run by one of a
+few coordinator threads. With ``UC_LOGGER_LEVEL=debug``, per task::
 
     COMPRESS DUMP START | <task id> | <n> blocks
     COMPRESS DUMP | <task id> | block <key> | <mode> | shard sizes [...]        (bytes per section: layer K, V, ...)
@@ -44,9 +46,9 @@ from typing import Any, Literal
 import torch
 
 from ucm.logger import init_logger
-from ucm.store.base import BlockCorruptedError, Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
 from ucm.store.kvfold import DEFAULT_GROUP, KVGeometry, Mode, decode_block, encode_block
-from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, EncodedBlock, PosixStore
+from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, EncodedBlock, PosixStore, decode_into
 
 logger = init_logger(__name__)
 
@@ -73,7 +75,7 @@ class CompressStore(UcmKVStoreBase):
         compress_ratio: with ``fixed_rate``: stored bits per value in 1/32 of the raw 16 (16 = 8 bits: int8 with a
             per-(token, head) bf16 scale); otherwise must be 32.
         data_type: KV dtype code the codec compresses (0 = bf16, the only one).
-        threads: encode/decode threads (``decompress_thread_num``).
+        threads: encode threads, and the most blocks decoded at once (``decompress_thread_num``).
 
     Raises:
         ValueError: an unknown mode, a ``compress_ratio`` not allowed for it, an unknown ``data_type``, ``threads``
@@ -102,7 +104,8 @@ class CompressStore(UcmKVStoreBase):
         self._dtype = DATA_TYPES[data_type]
         self._geometry: KVGeometry | None = None
         self._passthrough: str | None = "compress_mode: off" if mode == "off" else None
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ucm-kvfold")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ucm-kvfold")  # encodes
+        self._decode_slots = threading.BoundedSemaphore(threads)  # decodes, on the Posix stage's I/O threads
         self._coord = ThreadPoolExecutor(COORDINATORS, thread_name_prefix="ucm-compress")
         self._ids = itertools.count(1)
         self._pending: set[Future[TaskResult]] = set()
@@ -310,53 +313,18 @@ class CompressStore(UcmKVStoreBase):
             float(rms),
         )
 
-    def _decode(self, block: EncodedBlock, row: torch.Tensor) -> str:
-        """Decode one stored block into ``row``; return what it was stored as. Raises BlockCorruptedError."""
-        if block.codec == CODEC_RAW:
-            if len(block.payload) != row.numel():
-                raise BlockCorruptedError(f"raw block of {len(block.payload)} bytes, expected {row.numel()}")
-            row.numpy()[:] = memoryview(block.payload)
-            return "raw"
-        if block.codec == CODEC_KVFOLD:
-            return decode_block(block.payload, row)
-        raise BlockCorruptedError(f"unknown codec {block.codec}; this version reads {CODEC_RAW} and {CODEC_KVFOLD}")
-
     def _load_task(self, task_id: int, keys: list[bytes], dst: torch.Tensor) -> TaskResult:
         t0 = time.perf_counter()
         n = len(keys)
         logger.debug("COMPRESS LOAD START | %d | %d blocks", task_id, n)
-        out: list[EncodedBlock | None] = [None] * n
-        decodes: dict[int, Future[str]] = {}
+        stored = [0] * n
 
-        def decode_when_read(i: int) -> None:  # on the Posix I/O thread: decoding overlaps the later reads
-            block = out[i]
-            assert block is not None
-            decodes[i] = self._pool.submit(self._decode, block, dst[i])
-
-        # A KVfold container is at most the raw size plus its headers (incompressible planes are stored raw).
-        max_nbytes = 2 * dst.shape[1] + (1 << 16)
-        self._inner.wait(self._inner.load_encoded(keys, out, max_nbytes, on_loaded=decode_when_read))
-        jobs = sorted(decodes.items())
-        failed = {i for i, b in enumerate(out) if b is None} | (set(range(n)) - decodes.keys())
-        stored_nbytes = 0
-        for i, job in jobs:
-            try:
-                kind = job.result()
-            except BlockCorruptedError as exc:
-                logger.warning(
-                    "Compress stage: block %s cannot be decoded (%s); treating it as a miss", keys[i].hex(), exc
-                )
-                failed.add(i)
-                continue
-            except Exception:
-                logger.exception(
-                    "Compress stage: unexpected error decoding block %s; treating it as a miss", keys[i].hex()
-                )
-                failed.add(i)
-                continue
-            block = out[i]
-            assert block is not None
-            stored_nbytes += len(block.payload)
+        def decode(i: int, block: EncodedBlock) -> str | None:  # on the Posix I/O thread that read block i
+            with self._decode_slots:
+                reason, kind = decode_into(block, dst[i])
+            if reason is not None:
+                return reason  # the Posix stage logs it and keeps (foreign) or removes (damaged) the file
+            stored[i] = len(block.payload)
             logger.debug(
                 "COMPRESS LOAD | %d | block %s | %s | %d -> %d bytes",
                 task_id,
@@ -368,17 +336,22 @@ class CompressStore(UcmKVStoreBase):
             if kind == "int8" and self._codec != "int8" and not self._lossy_read_logged:
                 self._lossy_read_logged = True
                 logger.info("Compress stage: loaded blocks stored lossy (fixed_rate int8) by another configuration")
-        ok = n - len(failed)
+            return None
+
+        # A KVfold container is at most the raw size plus its headers (incompressible planes are stored raw).
+        max_nbytes = 2 * dst.shape[1] + (1 << 16)
+        result = self._inner.wait(self._inner.load_encoded(keys, max_nbytes, decode))
+        ok = n - len(result.failed)
         logger.debug(
             "COMPRESS LOAD END | %d | %d of %d blocks, %d -> %d bytes decompressed, %.1f ms",
             task_id,
             ok,
             n,
-            stored_nbytes,
+            sum(stored),
             ok * dst.shape[1],
             (time.perf_counter() - t0) * 1e3,
         )
-        return TaskResult(n, frozenset(failed))
+        return result
 
 
 def check_compress_settings(mode: str, compress_ratio: int, data_type: int) -> None:

@@ -7,36 +7,43 @@ layer's V: ``block_size * num_kv_heads * head_dim`` values; otherwise the whole 
 
 Modes (all stored in a self-describing container, so a block is decoded the same whatever the reader's settings):
 
-- ``lossless`` (mode 1): each section's values are split into an exponent plane and a sign+mantissa plane
+- ``lossless`` (mode 1): the block's values are split into an exponent plane and a sign+mantissa plane
   (:mod:`ucm.kernels.bf16_planes`). The exponent plane is entropy-coded with zstandard at level 1 with a minimum
   match of 7 and tiny match tables (``LOSSLESS_ZSTD_PARAMS``): on KV, matches are rare, and these settings leave
   zstd's Huffman literal coder doing nearly all the work, faster and with a better ratio than plain zstd-1 (measured
-  on SmolLM2 KV: mean 1.486x vs 1.454x). The sign+mantissa plane (about 8 bits of entropy per value) is stored raw.
-  When zstd would not shrink a section's exponent plane, it is stored raw too. Bit-exact for all 65,536 bf16 bit
-  patterns.
+  on SmolLM2 KV: mean 1.486x vs 1.454x). It is one zstd frame per block, ended into one zstd block per section
+  (``COMPRESSOBJ_FLUSH_BLOCK``), so each section gets its own Huffman table while the whole plane decodes in one
+  call. The sign+mantissa plane (about 8 bits of entropy per value) is stored raw. When zstd would not shrink the
+  exponent plane, it is stored raw too. Bit-exact for all 65,536 bf16 bit patterns.
 - ``int8`` (mode 2, fixed rate, **lossy**): :mod:`ucm.kernels.int8_groups`, one bf16 scale per ``group`` values
   (``head_dim``: per (token, head)); ``8 + 16 / group`` bits per value. A block holding inf or NaN is encoded
   lossless instead, so non-finite values are never quantized.
 
-Container (version 1), little-endian; the Posix stage stores it as a block file of codec ``CODEC_KVFOLD``:
+Container (version 2; version 1 is still read), little-endian; the Posix stage stores it as a block file of codec
+``CODEC_KVFOLD``:
 
 ======  ======================  ===========================================================
 offset  size                    field
 ======  ======================  ===========================================================
-0       1                       container version (u8, 1)
+0       1                       container version (u8, 2)
 1       1                       mode (u8): 1 lossless, 2 int8
 2       1                       dtype code (u8): 0 = bf16 (the only one encoded; other dtypes are stored raw)
 3       1                       reserved, 0
 4       4                       raw block size in bytes (u32)
 8       4                       number of sections S (u32); the raw block divides into S equal sections
 12      4                       int8: values per scale (u32); lossless: 0
-16      4 * S                   encoded size of each section (u32)
-..      sum of sizes            the sections, in order
+16      ..                      the body, by mode
 ======  ======================  ===========================================================
 
-Lossless section of ``n`` values: ``u32 c`` (size of the exponent plane as stored), the exponent plane (a zstd
-frame when ``c < n``, raw when ``c == n``), then the ``n`` sign+mantissa bytes. int8 section of ``n`` values: the
-``n / group`` bf16 scales, then the ``n`` int8 values.
+Lossless body, for the block's ``N`` values: ``u32 c`` (size of the exponent plane as stored), the exponent plane of
+all ``N`` values (a zstd frame, one zstd block per section, when ``c < N``; raw when ``c == N``), then the ``N``
+sign+mantissa bytes. int8 body: ``4 * S`` bytes of section sizes (u32 each), then each section of ``n = N / S``
+values: its ``n / group`` bf16 scales, then its ``n`` int8 values.
+
+Version 1 (written by UCM before the one-frame layout; decoded, never written) has the int8 body above for both
+modes; a version-1 lossless section of ``n`` values is ``u32 c``, its exponent plane (a zstd frame when ``c < n``,
+raw when ``c == n``), then its ``n`` sign+mantissa bytes. Decoding it costs a few Python calls per section instead of
+per block: on 2 vCPUs, 1.5x the time, and it holds the GIL enough that two threads decode no faster than one.
 
 Decoding validates every size against the container and the expected raw block size; anything inconsistent raises
 :class:`~ucm.store.base.BlockCorruptedError` (a miss for the caller), never returns wrong bytes. Integrity of the
@@ -58,13 +65,14 @@ from ucm.kernels.bf16_planes import merge_planes_np, split_bf16_planes
 from ucm.kernels.int8_groups import all_finite, dequantize_int8_groups, quantize_int8_groups
 from ucm.store.base import BlockCorruptedError
 
-CONTAINER_VERSION = 1
+CONTAINER_VERSION = 2  # written
+READ_VERSIONS = (1, 2)  # decoded
 MODE_LOSSLESS = 1
 MODE_INT8 = 2
 DTYPE_BF16 = 0
 DEFAULT_GROUP = 64  # values per scale when the geometry (head_dim) is not known
 CONTAINER = struct.Struct("<BBBBIII")  # version, mode, dtype, reserved, block nbytes, sections, group
-SECTION_SIZE = struct.Struct("<I")
+PLANE_SIZE = struct.Struct("<I")  # lossless: the exponent plane's stored size
 
 # zstd on the exponent plane: level 1, matches of 7+ bytes only, small tables (see the module docstring).
 LOSSLESS_ZSTD_PARAMS = {
@@ -157,26 +165,41 @@ def encode_block(block: torch.Tensor, mode: Mode, geometry: KVGeometry | None = 
     group = geometry.head_dim if geometry is not None and num_sections > 1 else DEFAULT_GROUP
     if mode == "int8" and (n % group or not all_finite(values)):
         mode = "lossless"
-    parts: list[bytes] = []
+    mode_code = MODE_INT8 if mode == "int8" else MODE_LOSSLESS
     if mode == "int8":
+        parts: list[bytes] = []
         for s in range(num_sections):
             q, scale = quantize_int8_groups(values[s], group)
             parts.append(scale.view(torch.uint8).numpy().tobytes() + q.view(torch.uint8).numpy().tobytes())
+        sizes = [len(p) for p in parts]
+        body = [struct.pack(f"<{num_sections}I", *sizes), *parts]
     else:
         group = 0
-        cctx = _compressor()
-        for s in range(num_sections):
-            exp, sm = split_bf16_planes(values[s])
-            exp_bytes = exp.numpy().tobytes()
-            packed = cctx.compress(exp_bytes)
-            if len(packed) >= n:
-                packed = exp_bytes
-            parts.append(SECTION_SIZE.pack(len(packed)) + packed + sm.numpy().tobytes())
-    mode_code = MODE_INT8 if mode == "int8" else MODE_LOSSLESS
-    sizes = [len(p) for p in parts]
+        body, sizes = _encode_lossless(values)
     header = CONTAINER.pack(CONTAINER_VERSION, mode_code, DTYPE_BF16, 0, n_bytes, num_sections, group)
-    table = struct.pack(f"<{num_sections}I", *sizes)
-    return b"".join([header, table, *parts]), sizes, mode
+    return b"".join([header, *body]), sizes, mode
+
+
+def _encode_lossless(values: torch.Tensor) -> tuple[list[bytes], list[int]]:
+    """The lossless body (see the module docstring) of bf16 ``values`` ``[S, n]``, and each section's stored bytes
+    (its exponent bytes in the plane as stored, plus its ``n`` sign+mantissa bytes)."""
+    num_sections, n = values.shape
+    total = num_sections * n
+    exp, sm = split_bf16_planes(values.reshape(-1))
+    exp_np = exp.numpy()
+    packer = _compressor().compressobj(size=total)
+    chunks: list[bytes] = []
+    sizes: list[int] = []
+    for s in range(num_sections):
+        chunk = packer.compress(exp_np[s * n : (s + 1) * n].data) + packer.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        chunks.append(chunk)
+        sizes.append(len(chunk) + n)
+    chunks.append(packer.flush())
+    plane = b"".join(chunks)
+    if len(plane) >= total:
+        plane = exp_np.tobytes()
+        sizes = [2 * n] * num_sections
+    return [PLANE_SIZE.pack(len(plane)), plane, sm.numpy().tobytes()], sizes
 
 
 def container_mode(payload: bytes | bytearray | memoryview) -> Mode:
@@ -188,7 +211,7 @@ def container_mode(payload: bytes | bytearray | memoryview) -> Mode:
     if len(payload) < CONTAINER.size:
         raise BlockCorruptedError(f"KVfold container of {len(payload)} bytes is shorter than its header")
     version, mode_code = payload[0], payload[1]
-    if version != CONTAINER_VERSION or mode_code not in (MODE_LOSSLESS, MODE_INT8):
+    if version not in READ_VERSIONS or mode_code not in (MODE_LOSSLESS, MODE_INT8):
         raise BlockCorruptedError(f"KVfold container version {version} mode {mode_code}: unknown")
     return "int8" if mode_code == MODE_INT8 else "lossless"
 
@@ -213,7 +236,7 @@ class ContainerHeader:
         """True when this version decodes such a container (its version, mode and dtype); a container that is not
         known was written by another (newer) UCM, not damaged."""
         return (
-            self.version == CONTAINER_VERSION
+            self.version in READ_VERSIONS
             and self.mode_code in (MODE_LOSSLESS, MODE_INT8)
             and self.dtype_code == DTYPE_BF16
         )
@@ -255,6 +278,11 @@ def decode_block(payload: bytes | bytearray | memoryview, dst: torch.Tensor) -> 
             f"KVfold container for {n_bytes} bytes in {num_sections} sections (dtype {dtype_code}) does not fit "
             f"a {dst.numel()}-byte bf16 block"
         )
+    words = dst.numpy().view(np.uint16)
+    if mode == "lossless" and mv[0] >= 2:
+        _decode_planes(mv, CONTAINER.size, len(mv), words, "lossless body")
+        return mode
+    # int8 (either version) and version-1 lossless: a table of section sizes, then the sections.
     n = n_bytes // 2 // num_sections
     table_end = CONTAINER.size + 4 * num_sections
     if len(mv) < table_end:
@@ -264,10 +292,9 @@ def decode_block(payload: bytes | bytearray | memoryview, dst: torch.Tensor) -> 
         raise BlockCorruptedError(
             f"KVfold sections total {sum(sizes)} bytes; the container holds {len(mv) - table_end}"
         )
-    out = dst.view(torch.bfloat16).reshape(num_sections, n)
-    words = dst.numpy().view(np.uint16).reshape(num_sections, n)
     off = table_end
     if mode == "int8":
+        out = dst.view(torch.bfloat16).reshape(num_sections, n)
         if group == 0 or n % group:
             raise BlockCorruptedError(f"KVfold int8 group {group} does not divide a {n}-value section")
         n_scales = n // group
@@ -280,27 +307,29 @@ def decode_block(payload: bytes | bytearray | memoryview, dst: torch.Tensor) -> 
             dequantize_int8_groups(q, scale, out=out[s])
             off += size
         return mode
-    dctx = _decompressor()
     for s, size in enumerate(sizes):
-        if size < 4:
-            raise BlockCorruptedError(f"KVfold section {s} is {size} bytes, shorter than its header")
-        (c,) = SECTION_SIZE.unpack_from(mv, off)
-        if c > n or size != 4 + c + n:
-            raise BlockCorruptedError(f"KVfold section {s}: {size} bytes with a {c}-byte exponent plane of {n}")
-        packed = mv[off + 4 : off + 4 + c]
-        if c == n:
-            exp_bytes: bytes | memoryview = packed
-        else:
-            try:
-                exp_bytes = dctx.decompress(packed, max_output_size=n)
-            except zstandard.ZstdError as exc:
-                raise BlockCorruptedError(f"KVfold section {s}: bad zstd frame: {exc}") from None
-            if len(exp_bytes) != n:
-                raise BlockCorruptedError(f"KVfold section {s}: exponent plane of {len(exp_bytes)} values, not {n}")
-        merge_planes_np(
-            np.frombuffer(exp_bytes, dtype=np.uint8),
-            np.frombuffer(mv[off + 4 + c : off + size], dtype=np.uint8),
-            words[s],
-        )
+        _decode_planes(mv, off, off + size, words[s * n : (s + 1) * n], f"section {s}")
         off += size
     return mode
+
+
+def _decode_planes(mv: memoryview, start: int, end: int, words: np.ndarray, what: str) -> None:
+    """Decode ``mv[start:end]`` = ``u32 c``, an exponent plane of ``c`` bytes (zstd frame, or raw when ``c`` is the
+    value count), the sign+mantissa plane, into ``words`` (uint16 ``[n]``). Raises BlockCorruptedError."""
+    n = words.shape[0]
+    if end - start < PLANE_SIZE.size:
+        raise BlockCorruptedError(f"KVfold {what} is {end - start} bytes, shorter than its header")
+    (c,) = PLANE_SIZE.unpack_from(mv, start)
+    if c > n or end - start != PLANE_SIZE.size + c + n:
+        raise BlockCorruptedError(f"KVfold {what}: {end - start} bytes with a {c}-byte exponent plane of {n}")
+    packed = mv[start + PLANE_SIZE.size : start + PLANE_SIZE.size + c]
+    if c == n:
+        exp_bytes: bytes | memoryview = packed
+    else:
+        try:
+            exp_bytes = _decompressor().decompress(packed, max_output_size=n)
+        except zstandard.ZstdError as exc:
+            raise BlockCorruptedError(f"KVfold {what}: bad zstd frame: {exc}") from None
+        if len(exp_bytes) != n:
+            raise BlockCorruptedError(f"KVfold {what}: exponent plane of {len(exp_bytes)} values, not {n}")
+    merge_planes_np(np.frombuffer(exp_bytes, dtype=np.uint8), np.frombuffer(mv[end - n : end], dtype=np.uint8), words)

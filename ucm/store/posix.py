@@ -28,17 +28,18 @@ name (``os.replace``), so ``lookup`` never sees a half-written block. Files are 
 power loss fails the size or checksum check on ``load`` and is reported as a miss, never as data.
 
 Encoded blocks (the ``Compress`` stage): :meth:`PosixStore.dump_encoded` stores a payload of any size with the
-codec the caller names; :meth:`PosixStore.load_encoded` returns a file's codec and payload after checking magic,
-version, key, exact size and checksum (the checksum covers the stored, i.e. compressed, bytes). Encoded loads run on
-the pool threads with positional reads for either engine; encoded dumps use the configured engine.
+codec the caller names; :meth:`PosixStore.load_encoded` hands a file's codec and payload to the caller's decoder,
+on the I/O thread that read it, after checking magic, version, key, exact size and checksum (the checksum covers the
+stored, i.e. compressed, bytes). Encoded loads run on the pool threads with positional reads for either engine, each
+thread reading into a buffer of its own that it reuses; encoded dumps use the configured engine.
 
 A plain ``load``/``load_sharded`` (``Cache|Posix``, ``Posix``) also reads KVfold files, so a store filled by
 ``Cache|Compress|Posix`` stays readable after switching back to ``Cache|Posix``, and instances of both pipelines can
-share a directory: such a file is read whole into a temporary buffer, checked as by ``load_encoded``, and decoded into
-the row by :func:`ucm.store.kvfold.decode_block` (bit-exact for lossless containers; a fixed-rate container decodes to
-its lossy values, as the Compress stage reads it). Raw files keep the direct path (read straight into the row). The
-codec module is imported on the first KVfold file met (its kernels are not needed for raw files; the first decode in
-a process also loads numba's compiled kernels).
+share a directory: such a file is read whole into the reading thread's buffer, checked as by ``load_encoded``, and
+decoded into the row by :func:`ucm.store.kvfold.decode_block` (bit-exact for lossless containers; a fixed-rate
+container decodes to its lossy values, as the Compress stage reads it). Raw files keep the direct path (read
+straight into the row). The codec module is imported on the first KVfold file met (its kernels are not needed for raw
+files; the first decode in a process also loads numba's compiled kernels).
 
 ``load`` validates magic, version, codec, payload size, key, exact file size (no trailing bytes) and checksum
 before reporting a block as loaded (for a KVfold file: the stored size and checksum, then the container decodes to a
@@ -362,7 +363,7 @@ class PosixStore(UcmKVStoreBase):
         refreshes its file's recency (atime) for garbage collection.
 
         Raw files (codec ``CODEC_RAW``) are read straight into their rows. A KVfold file (codec ``CODEC_KVFOLD``,
-        written by a ``Compress`` stage) is read whole into a temporary buffer on a pool thread (with either
+        written by a ``Compress`` stage) is read whole into the pool thread's buffer (with either
         engine), checked as :meth:`load_encoded` does (header, key, exact size, checksum of the stored bytes), then
         decoded into its row with :func:`ucm.store.kvfold.decode_block`: bit-exact for a lossless container; a
         fixed-rate (``int8``, lossy) container decodes to its lossy values, exactly as the ``Compress`` stage reads
@@ -484,33 +485,32 @@ class PosixStore(UcmKVStoreBase):
     def load_encoded(
         self,
         keys: Sequence[bytes],
-        out: list[EncodedBlock | None],
         max_nbytes: int,
-        on_loaded: Callable[[int], None] | None = None,
+        consume: Callable[[int, EncodedBlock], str | None],
     ) -> Task:
-        """Start reading the blocks of ``keys`` whatever their codec: ``out[i]`` is set to key ``i``'s
-        :class:`EncodedBlock` (codec and validated payload) before the task completes, and left ``None`` when the key
-        fails (missing, damaged: removed, or foreign: another format version, or a payload over ``max_nbytes``
-        bytes, kept). Reads use the pool threads with positional reads (``O_DIRECT`` with ``io_direct``) for
-        either engine. ``on_loaded(i)``, when given, runs on the I/O thread as soon as ``out[i]`` is set (so a
-        caller can decode block ``i`` while later blocks are still being read); it must not block for long, and an
-        exception from it fails key ``i``.
+        """Start reading the blocks of ``keys`` whatever their codec, each handed to ``consume(i, block)`` on the I/O
+        thread that read it, as soon as it is read and checked (magic, version, key, exact size, checksum of the
+        stored bytes), so the caller decodes block ``i`` while later blocks are still being read.
+
+        ``block.payload`` is a view of the reading thread's buffer (reused for its next read: no allocation, no copy
+        per block), valid only during the call: ``consume`` must copy or decode it before returning. It returns
+        ``None`` when it used the block, else why not: a reason starting with :data:`FOREIGN` (e.g. a codec or
+        container it does not know) fails the key and keeps the file; any other reason fails the key as damaged
+        (warning; the file is removed). An exception from ``consume`` fails the key (logged as an error). A missing
+        file, a file failing the checks or one whose payload is over ``max_nbytes`` bytes (foreign: kept) is never
+        handed over. Reads use the pool threads with positional reads (``O_DIRECT`` with ``io_direct``) for either
+        engine; each pool thread keeps one buffer of the largest file it read (``io_threads`` buffers in all).
 
         Raises:
-            TypeError / ValueError: bad keys; ``out`` not a list of ``len(keys)``; ``max_nbytes`` < 1.
+            TypeError / ValueError: bad keys; ``max_nbytes`` < 1.
             RuntimeError: the store is closed.
         """
         check_keys(keys)
-        if not isinstance(out, list) or len(out) != len(keys):
-            raise ValueError(f"out must be a list of {len(keys)} entries")
         if max_nbytes < 1:
             raise ValueError(f"max_nbytes must be >= 1, got {max_nbytes}")
 
         def job(i: int) -> bool:
-            ok = self._load_encoded_one(keys[i], out, i, max_nbytes)
-            if ok and on_loaded is not None:
-                on_loaded(i)
-            return ok
+            return self._load_encoded_one(keys[i], i, max_nbytes, consume)
 
         def aio_job(i: int, done: Future[bool]) -> None:
             done.set_result(job(i))
@@ -890,7 +890,7 @@ class PosixStore(UcmKVStoreBase):
             reason = _check_block(read.key, read.payload, read.stat.st_size, read.got, read.header)
             if reason == _KVFOLD_FILE:  # of the raw size: recognized only now, after its shards were reported
                 reason = (
-                    f"{_FOREIGN}codec {CODEC_KVFOLD} (KVfold) file of the raw block's size met by a sharded load "
+                    f"{FOREIGN}codec {CODEC_KVFOLD} (KVfold) file of the raw block's size met by a sharded load "
                     "after its shards were handed out; a whole-block load decodes it"
                 )
             if reason is None:
@@ -898,7 +898,9 @@ class PosixStore(UcmKVStoreBase):
                     os.utime(read.path, ns=(time.time_ns(), read.stat.st_mtime_ns))
         read.future.set_result(self._load_outcome(read.key, read.path, reason, read.stat))
 
-    def _load_encoded_one(self, key: bytes, out: list[EncodedBlock | None], i: int, max_nbytes: int) -> bool:
+    def _load_encoded_one(
+        self, key: bytes, i: int, max_nbytes: int, consume: Callable[[int, EncodedBlock], str | None]
+    ) -> bool:
         path = self.block_path(key)
         flags = os.O_RDONLY | (os.O_DIRECT if self._direct is not None else 0)
         reason: str | OSError | None
@@ -909,8 +911,9 @@ class PosixStore(UcmKVStoreBase):
                 stat = os.fstat(fd)
                 reason, block = _read_encoded(fd, stat.st_size, key, max_nbytes, self._direct)
                 if block is not None:
-                    _touch(fd, stat)
-                    out[i] = block
+                    reason = consume(i, block)
+                    if reason is None:
+                        _touch(fd, stat)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -1038,7 +1041,7 @@ class PosixStore(UcmKVStoreBase):
             return False
         self._faults.succeeded("read")
         if reason is not None:
-            kept = reason.startswith(_FOREIGN)
+            kept = reason.startswith(FOREIGN)
             if not kept and stat is not None:
                 _remove_if_unchanged(path, stat)
             logger.warning(
@@ -1152,10 +1155,10 @@ class _FaultLog:
 
 # Reasons that may mean "another UCM version's block" or a caller's size mismatch rather than damage: such files are
 # left in place.
-_FOREIGN = "foreign: "
+FOREIGN = "foreign: "
 # _check_block's reason for a KVfold file (codec 1): a plain load reads it whole and decodes it. Foreign-prefixed so
 # that a caller not handling it keeps the file.
-_KVFOLD_FILE = f"{_FOREIGN}codec {CODEC_KVFOLD} (KVfold container)"
+_KVFOLD_FILE = f"{FOREIGN}codec {CODEC_KVFOLD} (KVfold container)"
 
 
 def _kvfold_max_nbytes(block_nbytes: int) -> int:
@@ -1204,7 +1207,7 @@ class _DecodeTally:
 
 
 def _read_decoded(fd: int, size: int, key: bytes, row: torch.Tensor, direct: _AlignedBuffers | None) -> _Decoded:
-    """Read the whole block file ``fd`` of ``size`` bytes (from ``fstat``) into a temporary buffer, check it as
+    """Read the whole block file ``fd`` of ``size`` bytes (from ``fstat``) into this thread's buffer, check it as
     :func:`_read_encoded` does (magic, version, key, exact size, checksum of the stored bytes; a payload over
     :func:`_kvfold_max_nbytes` is foreign) and decode it into ``row`` (contiguous CPU uint8 ``[block_nbytes]``, the
     expected block) by its codec.
@@ -1222,7 +1225,7 @@ def _read_decoded(fd: int, size: int, key: bytes, row: torch.Tensor, direct: _Al
     reason, block = _read_encoded(fd, size, key, _kvfold_max_nbytes(row.numel()), direct)
     if block is None:
         return _Decoded(reason, seconds=time.perf_counter() - t0)
-    reason, mode = _decode_into(block, row)
+    reason, mode = decode_into(block, row)
     raw_nbytes = row.numel() if reason is None else 0
     return _Decoded(reason, len(block.payload), raw_nbytes, mode, time.perf_counter() - t0)
 
@@ -1246,17 +1249,23 @@ def _read_decoded_if_kvfold(
     return _read_decoded(fd, size, key, row, direct)
 
 
-def _decode_into(block: EncodedBlock, row: torch.Tensor) -> tuple[str | None, str | None]:
-    """Decode a checked stored ``block`` into ``row`` (see :func:`_read_decoded`); return ``(reason, mode)``:
-    ``reason`` ``None`` when ``row`` holds the block, ``mode`` the container's (``"lossless"``, ``"int8"``) or
-    ``"raw"``."""
+def decode_into(block: EncodedBlock, row: torch.Tensor) -> tuple[str | None, str | None]:
+    """Decode a checked stored ``block`` into ``row`` (contiguous CPU uint8 ``[block_nbytes]``) by its codec: a
+    raw payload of the row's size is copied, a KVfold container decoded (:func:`ucm.store.kvfold.decode_block`).
+
+    Returns:
+        ``(reason, mode)``: ``reason`` is ``None`` when ``row`` holds the block, else why not (starting with
+        :data:`FOREIGN` for a codec, container or block size this version does not read: the file is to be kept;
+        otherwise the container is damaged); ``mode`` is the container's (``"lossless"``, ``"int8"``) or ``"raw"``
+        when decoded. ``row`` is unspecified unless ``reason`` is ``None``.
+    """
     if block.codec == CODEC_RAW:
         if len(block.payload) != row.numel():
-            return f"{_FOREIGN}payload is {len(block.payload)} bytes, expected {row.numel()}", None
+            return f"{FOREIGN}payload is {len(block.payload)} bytes, expected {row.numel()}", None
         row.numpy()[:] = memoryview(block.payload)
         return None, "raw"
     if block.codec != CODEC_KVFOLD:
-        return f"{_FOREIGN}codec {block.codec}, expected {CODEC_RAW} (raw) or {CODEC_KVFOLD} (KVfold)", None
+        return f"{FOREIGN}codec {block.codec}, expected {CODEC_RAW} (raw) or {CODEC_KVFOLD} (KVfold)", None
     # Imported here: the codec pulls in its kernels (numba, triton), which a store of raw files never needs.
     from ucm.store.kvfold import decode_block, read_container_header
 
@@ -1264,12 +1273,12 @@ def _decode_into(block: EncodedBlock, row: torch.Tensor) -> tuple[str | None, st
         head = read_container_header(block.payload)
         if not head.known:
             return (
-                f"{_FOREIGN}KVfold container version {head.version}, mode {head.mode_code}, dtype {head.dtype_code}: "
+                f"{FOREIGN}KVfold container version {head.version}, mode {head.mode_code}, dtype {head.dtype_code}: "
                 "not one this version decodes",
                 None,
             )
         if head.block_nbytes != row.numel():
-            return f"{_FOREIGN}KVfold container of a {head.block_nbytes}-byte block, expected {row.numel()}", None
+            return f"{FOREIGN}KVfold container of a {head.block_nbytes}-byte block, expected {row.numel()}", None
         mode: str = decode_block(block.payload, row)
     except BlockCorruptedError as exc:
         return f"KVfold container does not decode: {exc}", None
@@ -1278,15 +1287,15 @@ def _decode_into(block: EncodedBlock, row: torch.Tensor) -> tuple[str | None, st
 
 @dataclass(frozen=True)
 class EncodedBlock:
-    """A block file's payload as stored, from :meth:`PosixStore.load_encoded` (checksum verified).
+    """A block file's payload as stored, handed over by :meth:`PosixStore.load_encoded` (checksum verified).
 
     Attributes:
         codec: the header's codec (``CODEC_RAW``, ``CODEC_KVFOLD``, ...).
-        payload: the stored bytes.
+        payload: the stored bytes: a view of the reading thread's buffer, valid only while it is handed over.
     """
 
     codec: int
-    payload: bytearray
+    payload: memoryview
 
 
 def _bytes_of(row: torch.Tensor) -> memoryview:
@@ -1301,35 +1310,36 @@ def _read_encoded(
 
     Returns ``(None, block)`` when valid, else ``(reason, None)``; a reason starting with ``"foreign: "`` marks a
     file to keep (another format version, or larger than ``max_nbytes`` of payload: not a block this reader knows).
+    The file is read into the calling thread's buffer (``direct``'s aligned one for ``O_DIRECT``, else
+    :data:`_READ_BUFFERS`'), and ``block.payload`` is a view of it: valid until this thread's next read through
+    that buffer. A buffer per thread, reused, spares the allocation (and page faults) of one per block: on a
+    2-vCPU machine these cost about as much as decoding the block.
     """
     if size < HEADER_NBYTES:
         return f"file is {size} bytes, shorter than the {HEADER_NBYTES}-byte header", None
     if size - HEADER_NBYTES > max_nbytes:
-        return f"{_FOREIGN}payload of {size - HEADER_NBYTES} bytes, more than the {max_nbytes} expected", None
+        return f"{FOREIGN}payload of {size - HEADER_NBYTES} bytes, more than the {max_nbytes} expected", None
     if direct is not None:
         buf = direct.get(_round_up(size))
         got = _pread_direct(fd, buf)
-        data = bytearray(buf[: min(got, size)])
     else:
-        data = bytearray(size)
-        got = _preadv_full(fd, [memoryview(data)], 0)
+        buf = _READ_BUFFERS.get(size)
+        got = _preadv_full(fd, [buf], 0)
     if got < size:
         return f"file shrank while read: {got} of {size} bytes", None
-    magic, version, codec, _ns_tag, nbytes, file_key, checksum = HEADER.unpack_from(data, 0)
+    magic, version, codec, _ns_tag, nbytes, file_key, checksum = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         return f"bad magic {bytes(magic)!r}, expected {MAGIC!r}", None
     if version != FORMAT_VERSION:
-        return f"{_FOREIGN}format version {version}, expected {FORMAT_VERSION}", None
+        return f"{FOREIGN}format version {version}, expected {FORMAT_VERSION}", None
     if file_key != key:
         return f"file holds key {file_key.hex()}, expected {key.hex()}", None
     if nbytes != size - HEADER_NBYTES:
         return f"file is {size} bytes, expected {HEADER_NBYTES + nbytes}", None
-    payload = memoryview(data)[HEADER_NBYTES:]
+    payload = buf[HEADER_NBYTES:size]
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         return "checksum mismatch", None
-    payload.release()  # before resizing data
-    del data[:HEADER_NBYTES]
-    return None, EncodedBlock(codec, data)
+    return None, EncodedBlock(codec, payload)
 
 
 def _dir_of(dirs: Sequence[str], key: bytes) -> str:
@@ -1476,13 +1486,13 @@ def _check_block(
     if magic != MAGIC:
         return f"bad magic {bytes(magic)!r}, expected {MAGIC!r}"
     if version != FORMAT_VERSION:
-        return f"{_FOREIGN}format version {version}, expected {FORMAT_VERSION}"
+        return f"{FOREIGN}format version {version}, expected {FORMAT_VERSION}"
     if codec == CODEC_KVFOLD:  # the caller reads it whole and decodes it (see _read_decoded)
         return _KVFOLD_FILE
     if codec != CODEC_RAW:
-        return f"{_FOREIGN}codec {codec}, expected {CODEC_RAW} (raw) or {CODEC_KVFOLD} (KVfold)"
+        return f"{FOREIGN}codec {codec}, expected {CODEC_RAW} (raw) or {CODEC_KVFOLD} (KVfold)"
     if nbytes != payload.nbytes:  # a caller's size mismatch must not destroy a block: keep the file
-        return f"{_FOREIGN}payload is {nbytes} bytes, expected {payload.nbytes}"
+        return f"{FOREIGN}payload is {nbytes} bytes, expected {payload.nbytes}"
     if file_key != key:
         return f"file holds key {file_key.hex()}, expected {key.hex()}"
     if size != expected:
@@ -1522,7 +1532,8 @@ def _pread_direct(fd: int, buf: memoryview) -> int:
 
 
 class _AlignedBuffers:
-    """Per-thread page-aligned buffers for ``O_DIRECT`` I/O (anonymous ``mmap``s, grown on demand, reused)."""
+    """Per-thread page-aligned buffers (anonymous ``mmap``s, grown on demand, reused; freed with the thread): for
+    ``O_DIRECT`` I/O, and for whole-file reads of encoded blocks (:data:`_READ_BUFFERS`)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -1536,6 +1547,11 @@ class _AlignedBuffers:
             self._local.view = memoryview(mm)
         view: memoryview = self._local.view
         return view[:nbytes]
+
+
+# Buffered whole-file reads of encoded blocks (_read_encoded): one buffer per thread that reads them (the pool
+# threads of every store in the process), holding the largest file that thread read.
+_READ_BUFFERS = _AlignedBuffers()
 
 
 class _DirectBufferPool:

@@ -20,7 +20,11 @@ every task before stopping them).
 from __future__ import annotations
 
 import errno
+import functools
 import select
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +39,52 @@ _WAKEUP = 0  # user_data of the no-op that wakes the reaper at close; operations
 _RETRY_SUBMIT = (errno.EINTR, errno.EAGAIN, errno.EBUSY)
 
 
+# The binding's calls that Uring makes, on a temp file: run in a child process by _binding_crash.
+_PROBE = """
+import os, tempfile, liburing
+ring = liburing.Ring()
+try:
+    liburing.io_uring_queue_init(4, ring)
+except OSError:
+    raise SystemExit(0)  # io_uring refused: Uring reports it in the parent
+with tempfile.TemporaryFile() as f:
+    os.write(f.fileno(), bytes(4096))
+    buf = bytearray(4096)
+    iov = liburing.Iovec([memoryview(buf)])
+    sqe = liburing.io_uring_get_sqe(ring)
+    liburing.io_uring_prep_readv(sqe, f.fileno(), iov, 0)
+    liburing.io_uring_sqe_set_data64(sqe, 1)
+    liburing.io_uring_sqe_set_flags(sqe, liburing.IOSQE_ASYNC)
+    liburing.io_uring_submit(ring)
+    cqe = liburing.Cqe()
+    while liburing.io_uring_cq_ready(ring) == 0:
+        pass
+    liburing.io_uring_peek_cqe(ring, cqe)
+    liburing.io_uring_cqe_seen(ring, cqe[0])
+liburing.io_uring_queue_exit(ring)
+"""
+
+
+@functools.cache
+def _binding_crash() -> str | None:
+    """Why the ``liburing`` binding kills a process on this machine (``None`` when it does not): its calls are run
+    once per process in a child. Needed because a native crash cannot be caught: the liburing 2026.3.30 wheel holds
+    AVX-512 instructions (``zmm`` registers, ``objdump -d``), and on an x86-64 CPU without AVX-512 its first call
+    dies of SIGILL, which in the serving process would take vLLM down with it."""
+    try:
+        run = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"a test of the binding in a child process did not finish ({exc})"
+    if run.returncode >= 0:
+        return None  # ran, or failed with a Python error that the in-process import or set-up reports
+    try:
+        name = signal.Signals(-run.returncode).name
+    except ValueError:
+        name = f"signal {-run.returncode}"
+    hint = " (an instruction this CPU lacks: the wheel needs AVX-512)" if name == "SIGILL" else ""
+    return f"the liburing binding kills a process on this machine with {name}{hint}"
+
+
 def _import_liburing() -> Any:
     try:
         import liburing
@@ -42,16 +92,30 @@ def _import_liburing() -> Any:
         raise ValueError(
             f"posix_io_engine: aio needs the 'liburing' package, which cannot be imported ({exc}); allowed: psync"
         ) from None
+    crash = _binding_crash()
+    if crash is not None:
+        raise ValueError(f"posix_io_engine: aio is not usable: {crash}; allowed: psync")
     return liburing
+
+
+def aio_unusable_reason() -> str | None:
+    """Why ``posix_io_engine: aio`` cannot start on this machine (the ``ValueError`` message :class:`Uring` would
+    raise), or ``None`` when an io_uring can be set up. Sets one up and closes it (plus, once per process, a child
+    process testing the binding)."""
+    try:
+        Uring(depth=1).close()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class Uring:
     """An io_uring of ``depth`` entries and its reaper thread.
 
     Raises:
-        ValueError: ``liburing`` cannot be imported or the kernel refuses io_uring (``io_uring_queue_init`` fails:
-            ``kernel.io_uring_disabled``, a seccomp filter, an old kernel), naming ``posix_io_engine``, the reason
-            and the allowed engine.
+        ValueError: ``liburing`` cannot be imported, crashes a process on this CPU (tested once per process in a
+            child), or the kernel refuses io_uring (``io_uring_queue_init`` fails: ``kernel.io_uring_disabled``, a
+            seccomp filter, an old kernel), naming ``posix_io_engine``, the reason and the allowed engine.
     """
 
     def __init__(self, depth: int = DEFAULT_DEPTH) -> None:
