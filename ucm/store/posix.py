@@ -1311,7 +1311,7 @@ def _read_encoded(
     Returns ``(None, block)`` when valid, else ``(reason, None)``; a reason starting with ``"foreign: "`` marks a
     file to keep (another format version, or larger than ``max_nbytes`` of payload: not a block this reader knows).
     The file is read into the calling thread's buffer (``direct``'s aligned one for ``O_DIRECT``, else
-    :data:`_READ_BUFFERS`'), and ``block.payload`` is a view of it: valid until this thread's next read through
+    :data:`_READ_BUFFERS`), and ``block.payload`` is a view of it: valid until this thread's next read through
     that buffer. A buffer per thread, reused, spares the allocation (and page faults) of one per block: on a
     2-vCPU machine these cost about as much as decoding the block.
     """
