@@ -1,7 +1,9 @@
 """``use_layerwise: true`` in the real vLLM engine (CPU build): layer-by-layer loads and dumps, same bytes as blockwise.
 
-A blockwise engine fills one store and a layerwise engine another (the layerwise one prefilling in 256-token chunks,
-so its blocks fill over several steps). Then each mode restarts on the other's store. Checked: the two stores hold
+A blockwise engine fills one store and a layerwise engine another, both prefilling in 256-token chunks (so blocks fill
+over several steps, and both engines run the same computation: a float32 prefill in one chunk and one in several
+differ in the last bit of some K/V on CPUs whose GEMM blocking depends on the row count, e.g. AVX2-only ones, which is
+vLLM's numerics, not the transfer's). Then each mode restarts on the other's store. Checked: the two stores hold
 the same files with the same bytes; every restart loads every block with output identical to the cold runs; and
 blocks damaged on disk, which a layerwise load finds only after their layers were scattered, are reported and
 recomputed (the damage fills payloads with 0x7f bytes, ~3e38 as float32, so a block used unnoticed would wreck the
@@ -61,11 +63,11 @@ def _store_bytes(store: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def cold(tiny_model, prompts, tmp_path_factory) -> dict:
-    """One cold engine per mode, each on its own store; the layerwise one prefills in 256-token chunks."""
+    """One cold engine per mode, each on its own store, both prefilling in 256-token chunks."""
     out = {}
-    for mode, layerwise, chunk in (("blockwise", False, None), ("layerwise", True, 256)):
+    for mode, layerwise in (("blockwise", False), ("layerwise", True)):
         store = tmp_path_factory.mktemp(f"store_{mode}")
-        results, stderr = run_engine(_spec(tiny_model, store, _requests(prompts), layerwise, chunk), env=DEBUG)
+        results, stderr = run_engine(_spec(tiny_model, store, _requests(prompts), layerwise, 256), env=DEBUG)
         assert [r.hit_external for r in results] == [0, 4]  # P1 is served from P2's blocks in UCM's DRAM tier
         assert failed_loads(stderr) == 0
         out[mode] = {"store": store, "results": results, "stderr": stderr}
