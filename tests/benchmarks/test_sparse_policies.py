@@ -26,7 +26,7 @@ def bench() -> ModuleType:
 def test_tiny_run(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model), "--seeds", "0", "--lengths", "1024"]
-    policies = ["gsa", "oracle", "snap4", "oracle_head", "snap4_head"]
+    policies = ["gsa", "oracle", "oracle4", "snap4", "oracle_head", "snap4_head"]
     cmd += ["--fractions", "1.0", "0.3", "--policies", *policies, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -42,18 +42,39 @@ def test_tiny_run(tiny_model: Path, tmp_path: Path) -> None:
         assert sparse["passkey"]["of"] == 5 and sparse["multidoc"]["of"] == 4
 
 
-def test_bad_policy_is_refused() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--policies", "quest"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "allowed are gsa, oracle, snap<W>, oracle_head, snap<W>_head" in proc.stderr
+def test_smaller_blocks(tiny_model: Path) -> None:
+    """``--block-size 32``: ~1024-token prompts are 32-33 blocks, of which ceil(0.3 n) = 10-11 are kept."""
+    cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model), "--seeds", "0", "--lengths", "1024"]
+    cmd += ["--block-size", "32", "--fractions", "1.0", "0.3", "--policies", "oracle"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["block_size"] == 32
+    results = summary["results"]
+    assert results["oracle@1.0"]["same_tokens_as_dense"] == "9/9" and results["oracle@1.0"]["kept_block_fraction"] == 1
+    assert 0.3 <= results["oracle@0.3"]["kept_block_fraction"] <= 0.34
 
 
-def test_block_mass_is_the_softmax_mass_of_each_block(bench: ModuleType) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--policies", "quest"], "allowed are gsa, oracle, oracle<K>, snap<W>, oracle_head, snap<W>_head"),
+        (["--block-size", "0"], "--block-size 0: must be a positive number of tokens"),
+    ],
+)
+def test_bad_argument_is_refused(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+@pytest.mark.parametrize("block_size", [128, 32])
+def test_block_mass_is_the_softmax_mass_of_each_block(bench: ModuleType, block_size: int) -> None:
     g = torch.Generator().manual_seed(0)
-    kv_heads, group, dim, length = 2, 3, 16, 3 * bench.BLOCK_SIZE + 5
+    kv_heads, group, dim, length = 2, 3, 16, 3 * block_size + 5
     k = torch.randn(kv_heads, length, dim, generator=g)
     q = torch.randn(kv_heads * group, 1, dim, generator=g)
-    mass = bench.block_mass(q, k, group, 0.25, length - 1, math.ceil(length / bench.BLOCK_SIZE))
+    mass = bench.block_mass(q, k, group, 0.25, length - 1, math.ceil(length / block_size), block_size)
     for h in range(kv_heads * group):
         p = torch.softmax((k[h // group] @ q[h, 0]) * 0.25, dim=0)
-        want = [float(p[i : i + bench.BLOCK_SIZE].sum()) for i in range(0, length, bench.BLOCK_SIZE)]
+        want = [float(p[i : i + block_size].sum()) for i in range(0, length, block_size)]
         assert mass[h].tolist() == pytest.approx(want, abs=1e-6)
