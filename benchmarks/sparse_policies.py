@@ -11,10 +11,10 @@ Why: the quality harness (``python -m ucm.quality``) measures the shipped GSA th
 what *any* selection of the same shape could reach: one set of KV blocks per request and layer, shared by all heads
 (what one paged-attention block table per request allows), ``--block-size`` tokens per block (default 128, vLLM's CPU
 default; the CPU backend also runs 32, 64, ... with ``block_size`` in the engine args), the same windows (in blocks)
-and budget. It runs
-the model in HF transformers (float32) on the harness's passkey and multi-document items (``ucm.quality``, same seeds
-and lengths), prefills densely, then decodes greedily with an attention function that, for one-token steps, attends
-only to the tokens of the kept blocks. The first answer token comes from the dense prefill, as in vLLM.
+and budget. It runs the model in HF transformers (float32) on the harness's passkey and multi-document items
+(``ucm.quality``, same seeds and lengths), prefills densely, then decodes greedily with an attention function that,
+for one-token steps, attends only to the tokens of the kept blocks. The first answer token comes from the dense
+prefill, as in vLLM.
 
 Policies (every one keeps blocks with GSA's rule, :func:`ucm.sparse.gsa.keep_mask`: ``init_window_sz`` first and
 ``local_window_sz`` last blocks forced, the best others up to ``ceil(fraction * n)``):
