@@ -7,6 +7,7 @@ compared exactly. Hit counts come from UCM's per-request log line.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -108,6 +109,8 @@ def test_restart_loads_prefix_and_output_is_identical(cold, restarted):
     assert failed_loads(stderr) == 0  # the hits below were really loaded, not recomputed after a failed load
     assert results[0].hit_external == 4 and results[0].hit_hbm == 0
     assert_same_output(results[0], cold[0])
+    if len(os.sched_getaffinity(0)) > 1:  # vLLM binds the worker's main thread to one core; UCM's threads are not
+        assert "[UC][I] UCM threads run on CPUs 0-" in stderr
 
 
 def test_partial_prefix_hit(cold, restarted):

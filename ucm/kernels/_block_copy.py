@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ucm.affinity import thread_pool
 from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views, int_view
 
 Impl = Literal["auto", "triton", "cpu", "torch"]
@@ -425,7 +426,7 @@ def _cpu_pool(workers: int) -> ThreadPoolExecutor:
     global _pool, _pool_size
     with _pool_lock:
         if _pool is None or _pool_size < workers:
-            old, _pool, _pool_size = _pool, ThreadPoolExecutor(workers, thread_name_prefix="ucm-kernel"), workers
+            old, _pool, _pool_size = _pool, thread_pool(workers, "ucm-kernel"), workers
             if old is not None:
                 old.shutdown(wait=False)
         return _pool

@@ -34,13 +34,14 @@ import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from ucm.affinity import thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
     ShardProgress,
@@ -124,8 +125,8 @@ class CacheStore(UcmKVStoreBase):
         self._closed = False
         # One writer thread: write-backs reach the stage below in dump order. Loads from below wait on their
         # own thread so that they never queue behind write-backs.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucm-cache-wb") if inner is not None else None
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="ucm-cache-rd") if inner is not None else None
+        self._writer = thread_pool(1, "ucm-cache-wb") if inner is not None else None
+        self._loader = thread_pool(1, "ucm-cache-rd") if inner is not None else None
 
     # -- introspection ------------------------------------------------------------------------------
 

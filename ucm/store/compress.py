@@ -39,12 +39,13 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any, Literal
 
 import torch
 
+from ucm.affinity import thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
 from ucm.store.kvfold import DEFAULT_GROUP, KVGeometry, Mode, decode_block, encode_block
@@ -104,9 +105,9 @@ class CompressStore(UcmKVStoreBase):
         self._dtype = DATA_TYPES[data_type]
         self._geometry: KVGeometry | None = None
         self._passthrough: str | None = "compress_mode: off" if mode == "off" else None
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ucm-kvfold")  # encodes
+        self._pool = thread_pool(threads, "ucm-kvfold")  # encodes
         self._decode_slots = threading.BoundedSemaphore(threads)  # decodes, on the Posix stage's I/O threads
-        self._coord = ThreadPoolExecutor(COORDINATORS, thread_name_prefix="ucm-compress")
+        self._coord = thread_pool(COORDINATORS, "ucm-compress")
         self._ids = itertools.count(1)
         self._pending: set[Future[TaskResult]] = set()
         self._lock = threading.Lock()

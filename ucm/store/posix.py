@@ -82,7 +82,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -90,6 +90,7 @@ from typing import Any, Literal
 import torch
 import xxhash
 
+from ucm.affinity import thread_pool, widen_thread_affinity
 from ucm.logger import init_logger
 from ucm.store.base import (
     BlockCorruptedError,
@@ -303,7 +304,7 @@ class PosixStore(UcmKVStoreBase):
         self._capacity = capacity_bytes
         self._tmp_age_s = tmp_age_s
         self._gc_interval_s = gc_interval_s
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ucm-posix")
+        self._pool = thread_pool(io_threads, "ucm-posix")
         self._closed = False
         self._close_lock = threading.Lock()
         self._tasks: set[Future[TaskResult]] = set()  # aio: tasks not done yet, which close waits for
@@ -619,6 +620,7 @@ class PosixStore(UcmKVStoreBase):
     def _maintain(self) -> None:
         """Maintenance thread: a first collection (stale temps; capacity), then collections when woken by a dump
         over the capacity or every ``gc_interval_s`` while this process writes (only with a capacity)."""
+        widen_thread_affinity()
         self._collect_logged()
         if self._capacity is None:
             return

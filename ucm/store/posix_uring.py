@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ucm.affinity import widen_thread_affinity
 from ucm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -202,6 +203,7 @@ class Uring:
         logger.error("posix store: io_uring_submit keeps failing (EAGAIN); retrying with the next submission")
 
     def _reap(self) -> None:
+        widen_thread_affinity()
         lib = self._lib
         poller = select.poll()
         poller.register(self._ring.ring_fd, select.POLLIN)

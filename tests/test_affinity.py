@@ -1,0 +1,58 @@
+"""UCM's threads run on every CPU of the process, whatever core the thread that started them is bound to."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from ucm.affinity import _cpu_list, thread_pool, widen_thread_affinity
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux thread affinity")
+
+
+def _all_cpus() -> set[int]:
+    return os.sched_getaffinity(0)
+
+
+@pytest.fixture
+def bound_to_one_cpu():
+    """The calling thread bound to one CPU, as vLLM's CPU worker binds its main thread (OpenMP thread 0)."""
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("needs 2 CPUs to tell a bound thread from a free one")
+    os.sched_setaffinity(0, {min(before)})
+    yield min(before), before
+    os.sched_setaffinity(0, before)
+
+
+def test_pool_threads_started_from_a_bound_thread_use_every_cpu(bound_to_one_cpu):
+    cpu, everything = bound_to_one_cpu
+    pool = thread_pool(2, "ucm-test")
+    try:
+        seen = {frozenset(s) for s in pool.map(lambda _: os.sched_getaffinity(0), range(8))}
+    finally:
+        pool.shutdown()
+    assert seen == {frozenset(everything)}
+    assert os.sched_getaffinity(0) == {cpu}  # the caller keeps its own binding
+
+
+def test_plain_thread_widens_itself(bound_to_one_cpu):
+    cpu, everything = bound_to_one_cpu
+    seen: list[set[int]] = []
+
+    def target() -> None:
+        seen.append(os.sched_getaffinity(0))  # inherited
+        widen_thread_affinity()
+        seen.append(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    assert seen == [{cpu}, everything]
+
+
+def test_cpu_list_format():
+    assert _cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert _cpu_list({3}) == "3"
