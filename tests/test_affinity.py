@@ -12,10 +12,6 @@ from ucm.affinity import _cpu_list, thread_pool, widen_thread_affinity
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux thread affinity")
 
 
-def _all_cpus() -> set[int]:
-    return os.sched_getaffinity(0)
-
-
 @pytest.fixture
 def bound_to_one_cpu():
     """The calling thread bound to one CPU, as vLLM's CPU worker binds its main thread (OpenMP thread 0)."""

@@ -63,10 +63,10 @@ def thread_pool(max_workers: int, name: str) -> ThreadPoolExecutor:
 
 def _cpu_list(cpus: set[int]) -> str:
     """``{0, 1, 2, 5}`` -> ``"0-2,5"``."""
-    ranges: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for c in sorted(cpus):
-        if ranges and int(ranges[-1].split("-")[-1]) == c - 1:
-            ranges[-1] = f"{ranges[-1].split('-')[0]}-{c}"
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
         else:
-            ranges.append(str(c))
-    return ",".join(ranges)
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
