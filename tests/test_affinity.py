@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
-from ucm.affinity import _cpu_list, thread_pool, widen_thread_affinity
+from ucm.affinity import _cpu_list, daemon_thread, thread_pool
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux thread affinity")
 
@@ -34,19 +33,18 @@ def test_pool_threads_started_from_a_bound_thread_use_every_cpu(bound_to_one_cpu
     assert os.sched_getaffinity(0) == {cpu}  # the caller keeps its own binding
 
 
-def test_plain_thread_widens_itself(bound_to_one_cpu):
+def test_daemon_thread_widens_itself(bound_to_one_cpu):
     cpu, everything = bound_to_one_cpu
     seen: list[set[int]] = []
 
     def target() -> None:
-        seen.append(os.sched_getaffinity(0))  # inherited
-        widen_thread_affinity()
         seen.append(os.sched_getaffinity(0))
 
-    t = threading.Thread(target=target)
+    t = daemon_thread(target, "ucm-test")
     t.start()
     t.join()
-    assert seen == [{cpu}, everything]
+    assert seen == [everything]
+    assert os.sched_getaffinity(0) == {cpu}
 
 
 def test_cpu_list_format():

@@ -90,7 +90,7 @@ from typing import Any, Literal
 import torch
 import xxhash
 
-from ucm.affinity import thread_pool, widen_thread_affinity
+from ucm.affinity import daemon_thread, thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
     BlockCorruptedError,
@@ -319,7 +319,7 @@ class PosixStore(UcmKVStoreBase):
         self._gc_lock = threading.Lock()  # one collection at a time in this process
         self._wakeup = threading.Event()
         self._stop = threading.Event()
-        self._maintenance = threading.Thread(target=self._maintain, name="ucm-posix-gc", daemon=True)
+        self._maintenance = daemon_thread(self._maintain, "ucm-posix-gc")
         if len(self._read_only_dirs) < len(self._dirs):  # nothing to clean up or collect where nothing is written
             self._maintenance.start()
 
@@ -620,7 +620,6 @@ class PosixStore(UcmKVStoreBase):
     def _maintain(self) -> None:
         """Maintenance thread: a first collection (stale temps; capacity), then collections when woken by a dump
         over the capacity or every ``gc_interval_s`` while this process writes (only with a capacity)."""
-        widen_thread_affinity()
         self._collect_logged()
         if self._capacity is None:
             return

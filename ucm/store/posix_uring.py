@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ucm.affinity import widen_thread_affinity
+from ucm.affinity import daemon_thread
 from ucm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -137,7 +137,7 @@ class Uring:
         self._ops: dict[int, tuple[Any, list[memoryview], Callable[[int], None]]] = {}
         self._next_id = 1
         self._closing = False
-        self._reaper = threading.Thread(target=self._reap, name="ucm-posix-uring", daemon=True)
+        self._reaper = daemon_thread(self._reap, "ucm-posix-uring")
         self._reaper.start()
 
     def submit(self, fd: int, bufs: list[memoryview], offset: int, write: bool, on_done: Callable[[int], None]) -> None:
@@ -203,7 +203,6 @@ class Uring:
         logger.error("posix store: io_uring_submit keeps failing (EAGAIN); retrying with the next submission")
 
     def _reap(self) -> None:
-        widen_thread_affinity()
         lib = self._lib
         poller = select.poll()
         poller.register(self._ring.ring_fd, select.POLLIN)
