@@ -2,8 +2,10 @@
 
 Checked: every engine and I/O mode returns the dumped bytes shard by shard; shard 0 is handed out while later
 shards are still being read (the point of layerwise loading); validation still runs on the whole block, so a damaged
-block is reported failed even after its shards were handed out; the Cache stage serves hits whole and reads misses
-through with the same progress; stages without shard reads (Compress) fall back to whole blocks.
+block is reported failed even after its shards were handed out; each row is settled (``on_row``) as soon as it is
+validated, before the task completes; the Cache stage serves hits whole, reads misses through with the same progress
+and caches each one as soon as it is validated, while other rows are still being read; stages without shard reads
+(Compress) fall back to whole blocks.
 """
 
 from __future__ import annotations
@@ -52,6 +54,42 @@ class _HeldShards:
 
     def release(self) -> None:
         self.gate.set()
+
+
+class _HeldKey:
+    """Holds the read of the last shard of one key of a PosixStore until :meth:`release` (that row stays unsettled
+    while the others finish; one I/O thread waits)."""
+
+    def __init__(self, store: PosixStore, key: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate = threading.Event()
+        real = store._load_shards
+
+        def held(read, first, stop, shard_nbytes, progress):  # type: ignore[no-untyped-def]
+            if read.key == key and stop == SHARDS:
+                self.gate.wait(30)
+            return real(read, first, stop, shard_nbytes, progress)
+
+        monkeypatch.setattr(store, "_load_shards", held)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+class _Rows:
+    """An ``on_row`` hook that records ``(row, ok)`` and lets a test wait for a number of rows."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, row: int, ok: bool) -> None:
+        with self._cond:
+            self.calls.append((row, ok))
+            self._cond.notify_all()
+
+    def wait_for(self, n: int) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.calls) >= n, timeout=30), self.calls
 
 
 @pytest.mark.parametrize("read_bytes", [1, 3 * SHARD_NBYTES + 1, NBYTES], ids=["1", "4+2", "all"])
@@ -175,4 +213,76 @@ def test_stage_without_shard_reads_loads_whole_blocks(tmp_path: Path) -> None:
     task = store.load_sharded(keys, poisoned(3, NBYTES), SHARDS, progress)
     assert store.wait(task).ok
     assert all(progress.ready(s) for s in range(SHARDS))
+    store.close()
+
+
+def test_each_row_is_settled_as_soon_as_it_is_validated(store: PosixStore, monkeypatch) -> None:
+    """on_row reports every row once, a row whose reads are done before the others' at once, all rows before the
+    task completes, and a missing row as failed."""
+    keys = make_keys(4, seed=17)
+    src = make_blocks(4, NBYTES, seed=18)
+    assert store.wait(store.dump(keys[:3], src[:3])).ok  # keys[3] never stored
+    held = _HeldKey(store, keys[2], monkeypatch)
+    rows = _Rows()
+    dst = poisoned(3, NBYTES)
+    task = store.load_sharded(keys[:3], dst, SHARDS, on_row=rows)
+    rows.wait_for(2)
+    assert sorted(rows.calls) == [(0, True), (1, True)]
+    assert not task.done()  # row 2 is still being read
+    held.release()
+    assert store.wait(task).ok
+    assert sorted(rows.calls) == [(0, True), (1, True), (2, True)]
+    assert torch.equal(dst, src[:3])
+    rows = _Rows()
+    assert store.wait(store.load_sharded(keys[1:], poisoned(3, NBYTES), SHARDS, on_row=rows)).failed == {2}
+    assert sorted(rows.calls) == [(0, True), (1, True), (2, False)]
+
+
+def test_a_raising_on_row_hook_does_not_hang_the_load(store: PosixStore) -> None:
+    keys = make_keys(2, seed=19)
+    src = make_blocks(2, NBYTES, seed=20)
+    assert store.wait(store.dump(keys, src)).ok
+
+    def broken(row: int, ok: bool) -> None:
+        raise RuntimeError("a bug in the caller's hook")
+
+    dst = poisoned(2, NBYTES)
+    assert store.wait(store.load_sharded(keys, dst, SHARDS, on_row=broken)).ok
+    assert torch.equal(dst, src)
+
+
+def test_cache_caches_each_miss_as_soon_as_it_is_validated(tmp_path: Path, monkeypatch) -> None:
+    """Read-through promotion runs row by row, while the stage below still reads the other rows, not all at the
+    end; hits are settled before load_sharded returns."""
+    posix = PosixStore(str(tmp_path / "kv"))
+    cache = CacheStore(posix, capacity_bytes=64 * NBYTES)
+    keys = make_keys(4, seed=21)
+    src = make_blocks(4, NBYTES, seed=22)
+    assert posix.wait(posix.dump(keys, src)).ok
+    assert cache.wait(cache.dump(keys[:1], src[:1])).ok  # row 0 is a DRAM hit
+    held = _HeldKey(posix, keys[3], monkeypatch)
+    rows = _Rows()
+    dst = poisoned(4, NBYTES)
+    task = cache.load_sharded(keys, dst, SHARDS, on_row=rows)
+    assert rows.calls[:1] == [(0, True)]
+    rows.wait_for(3)
+    assert not task.done()
+    assert set(cache.cached_keys()) == set(keys[:3])  # rows 1 and 2 promoted while row 3 is still being read
+    held.release()
+    assert cache.wait(task).ok
+    assert sorted(rows.calls) == [(i, True) for i in range(4)]
+    assert set(cache.cached_keys()) == set(keys)
+    out = poisoned(4, NBYTES)
+    assert cache.wait(cache.load(keys, out)).ok and torch.equal(out, src)  # the promoted copies are the blocks
+    cache.close()
+
+
+def test_stage_without_shard_reads_settles_rows_at_the_end(tmp_path: Path) -> None:
+    store = CompressStore(PosixStore(str(tmp_path / "kv")))
+    keys = make_keys(3, seed=23)
+    src = make_blocks(3, NBYTES, seed=24)
+    assert store.wait(store.dump(keys[:2], src[:2])).ok
+    rows = _Rows()
+    assert store.wait(store.load_sharded(keys, poisoned(3, NBYTES), SHARDS, on_row=rows)).failed == {2}
+    assert sorted(rows.calls) == [(0, True), (1, True), (2, False)]
     store.close()

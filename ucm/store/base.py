@@ -10,7 +10,8 @@ Semantics (the design's store contract):
   ``wait(task)`` blocks until it is done and returns a :class:`TaskResult` naming the keys that failed.
 - ``load_sharded(keys, dst, num_shards)`` is ``load`` for rows made of equal shards (a layerwise load: one per
   layer): its task's ``wait_shard(s)`` returns once shard ``s`` of every row is in ``dst`` (not yet validated), so a
-  caller can use the first layers while later ones are still being read; the task's result is validated as ``load``'s.
+  caller can use the first layers while later ones are still being read; the task's result is validated as ``load``'s,
+  and an optional ``on_row(i, ok)`` hook hears of each row as soon as it is validated or failed.
 - A dumped block becomes visible to ``lookup`` only once it is completely written.
 - A load that cannot produce the exact bytes that were dumped (missing, truncated, corrupted, wrong key or size)
   reports that key as failed and leaves the matching ``dst`` row unspecified; it never reports wrong bytes as
@@ -31,7 +32,14 @@ from typing import Any
 
 import torch
 
+from ucm.logger import init_logger
+
+logger = init_logger(__name__)
+
 KEY_NBYTES = 16
+
+# A sharded load's per-row hook: ``(row, ok)``, see :meth:`UcmKVStoreBase.load_sharded`.
+RowCallback = Callable[[int, bool], None]
 
 
 class StoreError(Exception):
@@ -214,23 +222,41 @@ def check_shards(buf: torch.Tensor, num_shards: int) -> int:
     return nbytes // num_shards
 
 
-def report_whole(task: Task, progress: ShardProgress | None, num_rows: int) -> Task:
+def report_whole(task: Task, progress: ShardProgress | None, num_rows: int, on_row: RowCallback | None = None) -> Task:
     """``task`` (a whole-block load of ``num_rows`` rows) as a sharded load reporting into ``progress``: every shard
-    of its rows is reported when it is done. With ``progress`` ``None``, ``task`` itself (``wait_shard`` waits for
-    the whole task)."""
-    if progress is None:
+    of its rows is reported when it is done, then ``on_row`` (if given) is called for every row, then the returned
+    task completes. With neither, ``task`` itself (``wait_shard`` waits for the whole task)."""
+    if progress is None and on_row is None:
         return task
     outer: Future[TaskResult] = Future()
 
     def finish(done: Task) -> None:  # report the shards first: whoever sees the result sees them ready
-        progress.done_all(num_rows)
+        if progress is not None:
+            progress.done_all(num_rows)
         try:
-            outer.set_result(done.result())
+            result = done.result()
         except BaseException as exc:
+            for i in range(num_rows):
+                call_on_row(on_row, i, False)
             outer.set_exception(exc)
+            return
+        for i in range(num_rows):
+            call_on_row(on_row, i, i not in result.failed)
+        outer.set_result(result)
 
     task.add_done_callback(finish)
     return Task(outer, progress)
+
+
+def call_on_row(on_row: RowCallback | None, row: int, ok: bool) -> None:
+    """``on_row(row, ok)`` if ``on_row`` is given; an exception from it is logged, never raised (a bug in the
+    caller's hook must not leave a task unresolved)."""
+    if on_row is None:
+        return
+    try:
+        on_row(row, ok)
+    except Exception:
+        logger.exception("store: the on_row hook of a sharded load raised for row %d", row)
 
 
 def tiered_lookup(keys: Sequence[bytes], present: Callable[[bytes], bool], below: UcmKVStoreBase | None) -> int:
@@ -265,7 +291,12 @@ class UcmKVStoreBase(abc.ABC):
         """
 
     def load_sharded(
-        self, keys: Sequence[bytes], dst: torch.Tensor, num_shards: int, progress: ShardProgress | None = None
+        self,
+        keys: Sequence[bytes],
+        dst: torch.Tensor,
+        num_shards: int,
+        progress: ShardProgress | None = None,
+        on_row: RowCallback | None = None,
     ) -> Task:
         """Like :meth:`load`, for rows made of ``num_shards`` equal byte ranges (a layerwise load: one shard per
         layer), read so that the task's :meth:`Task.wait_shard` can hand out shard ``s`` of every row before the
@@ -275,8 +306,14 @@ class UcmKVStoreBase(abc.ABC):
         ``progress``: a stage above that serves some rows itself passes its own :class:`ShardProgress` (sized for
         all its rows); this stage then reports its rows into it. ``None``: a new one for these rows.
 
-        Stages that read shard by shard override this; this default reads whole blocks with :meth:`load` and
-        reports every shard of a row when the whole load is done.
+        ``on_row``: called as ``on_row(i, ok)`` once per row ``i``, as soon as the row is settled (validated:
+        ``ok`` True; failed: False), on the thread that settled it, and before the task completes (so the task's
+        result means every hook has returned). A stage above uses it to act on each row while the others are still
+        being read (the ``Cache`` stage copies it into DRAM). It must not raise (an exception is logged) and may run
+        before this method returns.
+
+        Stages that read shard by shard override this; this default reads whole blocks with :meth:`load`, reports
+        every shard of a row and calls ``on_row`` for every row when the whole load is done.
 
         Raises:
             TypeError / ValueError: bad keys or ``dst`` (see :func:`check_keys_and_buffer`); ``num_shards`` < 1 or
@@ -285,7 +322,7 @@ class UcmKVStoreBase(abc.ABC):
         """
         check_keys_and_buffer(keys, dst, "dst")
         check_shards(dst, num_shards)
-        return report_whole(self.load(keys, dst), progress, len(keys))
+        return report_whole(self.load(keys, dst), progress, len(keys), on_row)
 
     @abc.abstractmethod
     def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:

@@ -16,8 +16,9 @@ still writes it to the stage below, and a load reads it from the stage below str
 
 Copies: one per block and direction. ``dump`` copies each new row of ``src`` into its slot (rows already cached
 are not copied) and writes back straight from ``src``; a miss of ``load`` is read from the stage below into the
-slot that becomes its cache entry (promotion copies nothing), then copied into ``dst``. Copies run as one
-``memcpy`` on the calling thread (see :func:`_copy_row`).
+slot that becomes its cache entry (promotion copies nothing), then copied into ``dst``; a miss of ``load_sharded``
+(a layerwise load) is read shard by shard straight into ``dst`` and, once validated, copied into its slot. Copies run
+as one ``memcpy`` on the thread doing them (see :func:`_copy_row`).
 
 Timing:
 - ``dump`` copies the new rows of ``src`` into DRAM before returning, then writes the rows not yet stored below
@@ -26,11 +27,17 @@ Timing:
 - ``load`` copies DRAM hits into ``dst`` before returning and starts loads of the misses from the stage below; its
   task completes when those rows are in ``dst``. Blocks loaded from below are then inserted into the cache
   (read-through promotion), within the capacity.
+- ``load_sharded`` promotes each miss as soon as the stage below has validated it (on that stage's I/O thread,
+  while the other rows are still being read), and completes once every row is in ``dst`` and promoted. Measured
+  store-only on a 2-vCPU VM (31 SmolLM2 blocks of 2.8 MiB, 30 shards, fresh store): the task completed after 39-46
+  ms instead of 54-55 ms with the copies all made after the last row (page cache warm), 91 ms instead of 111 ms
+  (page cache dropped).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -44,10 +51,12 @@ import torch
 from ucm.affinity import thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
+    RowCallback,
     ShardProgress,
     Task,
     TaskResult,
     UcmKVStoreBase,
+    call_on_row,
     check_keys,
     check_keys_and_buffer,
     check_shards,
@@ -295,14 +304,24 @@ class CacheStore(UcmKVStoreBase):
         return Task(result)
 
     def load_sharded(
-        self, keys: Sequence[bytes], dst: torch.Tensor, num_shards: int, progress: ShardProgress | None = None
+        self,
+        keys: Sequence[bytes],
+        dst: torch.Tensor,
+        num_shards: int,
+        progress: ShardProgress | None = None,
+        on_row: RowCallback | None = None,
     ) -> Task:
         """A sharded load (see :meth:`~ucm.store.base.UcmKVStoreBase.load_sharded`): DRAM hits are copied whole
-        before this returns (all their shards ready); the misses are read from the stage below straight into
-        ``dst`` with its own ``load_sharded``, one call per run of consecutive rows, reporting into the same
-        progress, so each shard reaches the caller as soon as the stage below has it. Once validated, the loaded
-        rows are copied into slots and cached (read-through promotion, within the capacity), before the task
-        completes: the caller may reuse ``dst`` as soon as the task is done.
+        before this returns (all their shards ready, ``on_row`` called for them); the misses are read from the stage
+        below straight into ``dst`` with its own ``load_sharded``, one call per run of consecutive rows, reporting
+        into the same progress, so each shard reaches the caller as soon as the stage below has it.
+
+        Read-through promotion happens row by row: as soon as the stage below has validated a row (its ``on_row``
+        hook, on the thread that validated it), the row is copied from ``dst`` into a slot and cached (within the
+        capacity), then this call's ``on_row`` is called for it; so the copies run while the stage below still
+        reads the other rows (and while a layerwise caller computes its first layers), not all after the last row.
+        The task completes once every row is settled and promoted: the caller may reuse ``dst`` as soon as it is
+        done.
 
         Raises:
             TypeError / ValueError: bad keys or ``dst``, or ``num_shards`` not dividing the row size.
@@ -315,24 +334,33 @@ class CacheStore(UcmKVStoreBase):
             progress = ShardProgress(num_shards, len(keys))
         misses = self._copy_hits(keys, dst)
         progress.done_all(len(keys) - len(misses))
+        missed = set(misses)
+        for i in range(len(keys)):
+            if i not in missed:
+                call_on_row(on_row, i, True)
         if not misses or self._inner is None:
             progress.done_all(len(misses))
+            for i in misses:
+                call_on_row(on_row, i, False)
             return Task.completed(TaskResult(len(keys), frozenset(misses)), progress)
         reads: list[_Read] = []
         for a, b in _runs(misses):
+            promote = functools.partial(self._promote_row, keys, dst, a, on_row)
             try:
-                task: Task | None = self._inner.load_sharded(keys[a:b], dst[a:b], num_shards, progress)
+                task: Task | None = self._inner.load_sharded(keys[a:b], dst[a:b], num_shards, progress, promote)
             except Exception:
                 logger.exception("cache store: load of %d blocks from the stage below failed to start", b - a)
                 progress.done_all(b - a)
+                for i in range(a, b):
+                    call_on_row(on_row, i, False)
                 task = None
             reads.append(_Read(task, list(range(a, b))))
         assert self._loader is not None
         result: Future[TaskResult] = Future()
         try:
-            self._loader.submit(self._finish_sharded_safely, list(keys), dst, reads, result)
+            self._loader.submit(self._finish_sharded_safely, len(keys), reads, result)
         except RuntimeError:  # closed concurrently
-            self._finish_sharded_safely(list(keys), dst, reads, result)
+            self._finish_sharded_safely(len(keys), reads, result)
         return Task(result, progress)
 
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
@@ -537,11 +565,46 @@ class CacheStore(UcmKVStoreBase):
                     entry.pins -= 1
         return misses
 
-    def _finish_sharded_safely(
-        self, keys: list[bytes], dst: torch.Tensor, reads: list[_Read], result: Future[TaskResult]
+    def _promote_row(
+        self, keys: Sequence[bytes], dst: torch.Tensor, offset: int, on_row: RowCallback | None, j: int, ok: bool
     ) -> None:
-        """Complete a sharded load: wait for the stage below, cache the validated rows (copied into slots), then
-        resolve ``result``; if anything raises first, fail the missed keys (never hang)."""
+        """The stage below's ``on_row`` hook of a sharded load: cache row ``offset + j`` of ``dst`` if it loaded
+        (copied into a slot, within the capacity), then call the caller's ``on_row``. Never raises."""
+        i = offset + j
+        if ok:
+            try:
+                self._insert_copy(keys[i], dst[i])
+            except Exception:
+                logger.exception("cache store: caching a block loaded from the stage below failed")
+        call_on_row(on_row, i, ok)
+
+    def _insert_copy(self, key: bytes, row: torch.Tensor) -> None:
+        """Cache a copy of ``row`` (a block just validated by the stage below) as ``key``'s entry, stored below;
+        nothing when the key is cached already, the store is closed or no slot can be had."""
+        with self._lock:
+            if self._closed or key in self._entries:
+                return
+            slot = self._take_slot(row.numel())
+        if slot is None:
+            return
+        try:
+            with torch.inference_mode():  # row may be a view of an inference tensor (vLLM's)
+                _copy_row(slot, row)
+        except BaseException:
+            with self._lock:
+                self._release_slot(slot)
+            raise
+        with self._lock:
+            if not self._closed and key not in self._entries:
+                self._entries[key] = _Entry(slot, stored_below=True)
+                self._used += slot.numel()
+            else:
+                self._release_slot(slot)
+
+    def _finish_sharded_safely(self, num_keys: int, reads: list[_Read], result: Future[TaskResult]) -> None:
+        """Complete a sharded load: wait for the stage below (whose rows were promoted by :meth:`_promote_row`
+        before its tasks completed), then resolve ``result``; if anything raises first, fail the missed keys (never
+        hang)."""
         try:
             failed: set[int] = set()
             for read in reads:
@@ -554,29 +617,11 @@ class CacheStore(UcmKVStoreBase):
                     logger.exception("cache store: load of %d blocks from the stage below failed", len(read.indices))
                     bad = frozenset(range(len(read.indices)))
                 failed.update(read.indices[j] for j in bad)
-            loaded = [i for read in reads for i in read.indices if i not in failed]
-            with self._lock:
-                slots = self._take_slots(dst.shape[1], len(loaded), steal=True)
-            try:
-                with torch.inference_mode():  # dst may be an inference tensor (vLLM's)
-                    for i, slot in zip(loaded, slots, strict=True):
-                        if slot is not None:
-                            _copy_row(slot, dst[i])
-            finally:
-                with self._lock:
-                    for i, slot in zip(loaded, slots, strict=True):
-                        if slot is None:
-                            continue
-                        if not self._closed and keys[i] not in self._entries:
-                            self._entries[keys[i]] = _Entry(slot, stored_below=True)
-                            self._used += slot.numel()
-                        else:
-                            self._release_slot(slot)
-            result.set_result(TaskResult(len(keys), frozenset(failed)))
+            result.set_result(TaskResult(num_keys, frozenset(failed)))
         except Exception:
-            logger.exception("cache store: finishing a sharded load of %d blocks failed", len(keys))
+            logger.exception("cache store: finishing a sharded load of %d blocks failed", num_keys)
             if not result.done():
-                result.set_result(TaskResult(len(keys), frozenset(i for read in reads for i in read.indices)))
+                result.set_result(TaskResult(num_keys, frozenset(i for read in reads for i in read.indices)))
 
     def _start_reads(
         self, keys: Sequence[bytes], dst: torch.Tensor, misses: list[int], slots: list[torch.Tensor | None]

@@ -94,10 +94,12 @@ from ucm.affinity import daemon_thread, thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
     BlockCorruptedError,
+    RowCallback,
     ShardProgress,
     Task,
     TaskResult,
     UcmKVStoreBase,
+    call_on_row,
     check_keys,
     check_keys_and_buffer,
     check_shards,
@@ -170,14 +172,22 @@ def _prepare_dir(path: str, require_writable: bool) -> bool:
 
 class _Gather:
     """Combines per-key futures (each resolving to ``True`` on success) into one ``Future[TaskResult]``;
-    ``on_finish`` (optional) runs once all keys are done, just before the result is set (so whoever waits for the
-    task sees what it did, e.g. a log line)."""
+    ``on_row`` (optional) is called as ``on_row(index, ok)`` as each key is done; ``on_finish`` (optional) runs once
+    all keys are done, just before the result is set (so whoever waits for the task sees what it did, e.g. a log
+    line)."""
 
-    def __init__(self, num_keys: int, what: str, on_finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_keys: int,
+        what: str,
+        on_finish: Callable[[], None] | None = None,
+        on_row: RowCallback | None = None,
+    ) -> None:
         self.future: Future[TaskResult] = Future()
         self._num_keys = num_keys
         self._what = what
         self._on_finish = on_finish
+        self._on_row = on_row
         self._remaining = num_keys
         self._failed: set[int] = set()
         self._lock = threading.Lock()
@@ -193,6 +203,7 @@ class _Gather:
             logger.error("posix store: unexpected error in %s of key index %d", self._what, index, exc_info=exc)
         else:
             ok = future.result()
+        call_on_row(self._on_row, index, ok)  # before the key counts as done: the task's result follows every hook
         with self._lock:
             if not ok:
                 self._failed.add(index)
@@ -388,7 +399,12 @@ class PosixStore(UcmKVStoreBase):
         )
 
     def load_sharded(
-        self, keys: Sequence[bytes], dst: torch.Tensor, num_shards: int, progress: ShardProgress | None = None
+        self,
+        keys: Sequence[bytes],
+        dst: torch.Tensor,
+        num_shards: int,
+        progress: ShardProgress | None = None,
+        on_row: RowCallback | None = None,
     ) -> Task:
         """Start reading the blocks of ``keys`` into ``dst`` shard by shard (``num_shards`` equal byte ranges of
         each row; a layerwise load: one per layer), all rows' shard 0 first, then shard 1, and so on, so that
@@ -400,7 +416,8 @@ class PosixStore(UcmKVStoreBase):
         before any key's second, and so on. The header is read with the first run; once all its runs are in, the
         block is validated exactly as by :meth:`load` (header, key, exact size, checksum of the whole payload) and
         the task reports it loaded or failed. Shards handed out by ``wait_shard`` are therefore not validated yet:
-        a caller that uses them early must drop a row that the task's result names as failed. ``progress``: as in
+        a caller that uses them early must drop a row that the task's result names as failed. ``progress`` and
+        ``on_row`` (called on the I/O thread that validated the row, or failed it): as in
         :meth:`~ucm.store.base.UcmKVStoreBase.load_sharded`.
 
         KVfold files (codec ``CODEC_KVFOLD``): the run that opens a file whose size is not the raw block's reads its
@@ -420,13 +437,13 @@ class PosixStore(UcmKVStoreBase):
         check_keys_and_buffer(keys, dst, "dst")
         shard_nbytes = check_shards(dst, num_shards)
         if num_shards == 1 or not keys:
-            return report_whole(self.load(keys, dst), progress, len(keys))
+            return report_whole(self.load(keys, dst), progress, len(keys), on_row)
         if self._closed:
             raise RuntimeError("PosixStore is closed")
         if progress is None:
             progress = ShardProgress(num_shards, len(keys))
         tally = _DecodeTally()
-        gather = _Gather(len(keys), "load", lambda: self._log_decodes(tally, len(keys)))
+        gather = _Gather(len(keys), "load", lambda: self._log_decodes(tally, len(keys)), on_row)
         per_read = max(1, -(-SHARDED_READ_BYTES // shard_nbytes))  # shards per read
         ranges = [(a, min(a + per_read, num_shards)) for a in range(0, num_shards, per_read)]
         reads = [_ShardedRead(key, self.block_path(key), dst[i], len(ranges), tally) for i, key in enumerate(keys)]
