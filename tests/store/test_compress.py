@@ -346,6 +346,31 @@ def test_decoding_starts_while_later_blocks_are_still_read(
     assert torch.equal(dst, blocks)
 
 
+def test_single_block_loads_run_as_wide_as_the_posix_io_threads(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Cache stage loads its misses one block per call: six such loads are all read at once on the Posix stage's
+    eight I/O threads (no coordinator thread per load capping them at COORDINATORS = 4)."""
+    from ucm.store.compress import COORDINATORS
+
+    n = COORDINATORS + 2
+    store = CompressStore(PosixStore(str(root), io_threads=8))
+    store.set_namespace(TAG, NAMESPACE_INFO)
+    keys, blocks = make_keys(n, seed=15), kv_blocks(n, seed=15)
+    assert not store.wait(store.dump(keys, blocks)).failed
+    all_reading = threading.Barrier(n, timeout=30)  # broken (an error in the reads) unless n reads run at once
+    read_one = store.inner._load_encoded_one
+
+    def read_together(key: bytes, *args: object) -> bool:
+        all_reading.wait()
+        return read_one(key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store.inner, "_load_encoded_one", read_together)
+    dst = poisoned(n, blocks.shape[1])
+    tasks = [store.load(keys[i : i + 1], dst[i : i + 1]) for i in range(n)]
+    assert all(store.wait(t).ok for t in tasks)
+    assert torch.equal(dst, blocks)
+    store.close()
+
+
 @pytest.mark.parametrize(
     "io", [("psync", False), pytest.param(("aio", True), marks=needs_aio)], ids=["psync", "aio-direct"]
 )

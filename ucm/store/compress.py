@@ -22,8 +22,9 @@ Work: blocks are encoded on ``threads`` threads (``decompress_thread_num``; zsta
 one job per block, then written in one batched Posix dump. A load is one batched Posix read
 (:meth:`~ucm.store.posix.PosixStore.load_encoded`): each I/O thread decodes the file it has just read, from its own
 reused buffer, straight into the destination row, so decoding overlaps the reads still waiting on the disk and no
-buffer is allocated per block; at most ``threads`` blocks decode at once. Each load or dump task is run by one of a
-few coordinator threads. With ``UC_LOGGER_LEVEL=debug``, per task::
+buffer is allocated per block; at most ``threads`` blocks decode at once. No thread waits for a load (so as many
+blocks are in flight as the Posix stage has I/O threads, however the stage above splits its loads); each dump task
+is run by one of a few coordinator threads. With ``UC_LOGGER_LEVEL=debug``, per task::
 
     COMPRESS DUMP START | <task id> | <n> blocks
     COMPRESS DUMP | <task id> | block <key> | <mode> | shard sizes [...]        (bytes per section: layer K, V, ...)
@@ -59,7 +60,7 @@ COMPRESS_MODES: tuple[CompressMode, ...] = ("lossless", "fixed_rate", "off")
 FIXED_RATE_RATIOS: dict[int, Mode] = {16: "int8"}  # 16/32 -> 8 bits per value (+ 16 bits of scale per head_dim values)
 RATIO_OFF = 32
 DATA_TYPES = {0: torch.bfloat16}  # data_type codes of the seed configs
-COORDINATORS = 4  # load/dump tasks in flight at once
+COORDINATORS = 4  # dump tasks in flight at once (loads need none: they run on the Posix stage's I/O threads)
 
 
 def _dtype_of(name: Any) -> torch.dtype | None:
@@ -162,7 +163,13 @@ class CompressStore(UcmKVStoreBase):
             TypeError / ValueError: bad keys or ``dst``. RuntimeError: the store is closed.
         """
         check_keys_and_buffer(keys, dst, "dst")
-        return self._submit(self._load_task, list(keys), dst)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("CompressStore is closed")
+            task_id = next(self._ids)
+        if not keys:
+            return Task.completed(TaskResult(0))
+        return self._start_load(task_id, list(keys), dst)
 
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
         """Learn the block geometry and KV dtype from the namespace ``info`` (keys ``kv_dtype``, ``num_layers``,
@@ -314,7 +321,10 @@ class CompressStore(UcmKVStoreBase):
             float(rms),
         )
 
-    def _load_task(self, task_id: int, keys: list[bytes], dst: torch.Tensor) -> TaskResult:
+    def _start_load(self, task_id: int, keys: list[bytes], dst: torch.Tensor) -> Task:
+        """Start one batched Posix read of ``keys`` decoding into ``dst`` on the I/O threads; no coordinator thread
+        waits for it (one per load would cap the blocks in flight at ``COORDINATORS``, below the Posix stage's I/O
+        threads, when the Cache stage above loads its misses one block per call)."""
         t0 = time.perf_counter()
         n = len(keys)
         logger.debug("COMPRESS LOAD START | %d | %d blocks", task_id, n)
@@ -341,18 +351,34 @@ class CompressStore(UcmKVStoreBase):
 
         # A KVfold container is at most the raw size plus its headers (incompressible planes are stored raw).
         max_nbytes = 2 * dst.shape[1] + (1 << 16)
-        result = self._inner.wait(self._inner.load_encoded(keys, max_nbytes, decode))
-        ok = n - len(result.failed)
-        logger.debug(
-            "COMPRESS LOAD END | %d | %d of %d blocks, %d -> %d bytes decompressed, %.1f ms",
-            task_id,
-            ok,
-            n,
-            sum(stored),
-            ok * dst.shape[1],
-            (time.perf_counter() - t0) * 1e3,
-        )
-        return result
+        read = self._inner.load_encoded(keys, max_nbytes, decode)
+        future: Future[TaskResult] = Future()
+
+        def finish(done: Task) -> None:
+            try:
+                result = done.result()
+            except Exception:  # a bug below: fail every key, loudly, instead of hanging the caller
+                logger.exception(
+                    "Compress stage: load %d failed unexpectedly; reporting all %d keys failed", task_id, n
+                )
+                result = TaskResult(n, frozenset(range(n)))
+            ok = n - len(result.failed)
+            logger.debug(
+                "COMPRESS LOAD END | %d | %d of %d blocks, %d -> %d bytes decompressed, %.1f ms",
+                task_id,
+                ok,
+                n,
+                sum(stored),
+                ok * dst.shape[1],
+                (time.perf_counter() - t0) * 1e3,
+            )
+            future.set_result(result)
+
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        read.add_done_callback(finish)
+        return Task(future)
 
 
 def check_compress_settings(mode: str, compress_ratio: int, data_type: int) -> None:
