@@ -11,6 +11,7 @@ and caches each one as soon as it is validated, while other rows are still being
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,15 +39,21 @@ def _shard(t: torch.Tensor, s: int) -> torch.Tensor:
     return t[:, s * SHARD_NBYTES : (s + 1) * SHARD_NBYTES]
 
 
-class _HeldShards:
-    """Holds every read of shard >= 1 of a PosixStore until :meth:`release` (ordering control: a slow disk)."""
+class _HeldReads:
+    """Holds the shard reads of a PosixStore for which ``hold(key, first, stop)`` is true until :meth:`release`
+    (ordering control: a slow disk). Defaults to every read of shard >= 1."""
 
-    def __init__(self, store: PosixStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self,
+        store: PosixStore,
+        monkeypatch: pytest.MonkeyPatch,
+        hold: Callable[[bytes, int, int], bool] = lambda key, first, stop: first >= 1,
+    ) -> None:
         self.gate = threading.Event()
         real = store._load_shards
 
         def held(read, first, stop, shard_nbytes, progress):  # type: ignore[no-untyped-def]
-            if first >= 1:
+            if hold(read.key, first, stop):
                 self.gate.wait(30)
             return real(read, first, stop, shard_nbytes, progress)
 
@@ -56,23 +63,10 @@ class _HeldShards:
         self.gate.set()
 
 
-class _HeldKey:
-    """Holds the read of the last shard of one key of a PosixStore until :meth:`release` (that row stays unsettled
-    while the others finish; one I/O thread waits)."""
-
-    def __init__(self, store: PosixStore, key: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.gate = threading.Event()
-        real = store._load_shards
-
-        def held(read, first, stop, shard_nbytes, progress):  # type: ignore[no-untyped-def]
-            if read.key == key and stop == SHARDS:
-                self.gate.wait(30)
-            return real(read, first, stop, shard_nbytes, progress)
-
-        monkeypatch.setattr(store, "_load_shards", held)
-
-    def release(self) -> None:
-        self.gate.set()
+def _held_last_shard(store: PosixStore, key: bytes, monkeypatch: pytest.MonkeyPatch) -> _HeldReads:
+    """Holds the read of ``key``'s last shard (its row stays unsettled while the others finish; one I/O thread
+    waits)."""
+    return _HeldReads(store, monkeypatch, lambda k, first, stop: k == key and stop == SHARDS)
 
 
 class _Rows:
@@ -112,7 +106,7 @@ def test_shard_zero_is_handed_out_while_later_shards_are_read(store: PosixStore,
     keys = make_keys(4, seed=3)
     src = make_blocks(4, NBYTES, seed=4)
     assert store.wait(store.dump(keys, src)).ok
-    held = _HeldShards(store, monkeypatch)
+    held = _HeldReads(store, monkeypatch)
     dst = poisoned(4, NBYTES)
     task = store.load_sharded(keys, dst, SHARDS)
     task.wait_shard(0)
@@ -170,7 +164,7 @@ def test_cache_serves_hits_whole_and_reads_misses_through(tmp_path: Path, monkey
     src = make_blocks(6, NBYTES, seed=12)
     assert posix.wait(posix.dump(keys, src)).ok  # on disk only
     assert cache.wait(cache.dump(keys[:2], src[:2])).ok  # rows 0, 1 also in DRAM
-    held = _HeldShards(posix, monkeypatch)
+    held = _HeldReads(posix, monkeypatch)
     dst = poisoned(7, NBYTES)
     task = cache.load_sharded([*keys[:3], make_keys(1, seed=99)[0], *keys[3:]], dst, SHARDS)
     task.wait_shard(0)
@@ -222,7 +216,7 @@ def test_each_row_is_settled_as_soon_as_it_is_validated(store: PosixStore, monke
     keys = make_keys(4, seed=17)
     src = make_blocks(4, NBYTES, seed=18)
     assert store.wait(store.dump(keys[:3], src[:3])).ok  # keys[3] never stored
-    held = _HeldKey(store, keys[2], monkeypatch)
+    held = _held_last_shard(store, keys[2], monkeypatch)
     rows = _Rows()
     dst = poisoned(3, NBYTES)
     task = store.load_sharded(keys[:3], dst, SHARDS, on_row=rows)
@@ -260,7 +254,7 @@ def test_cache_caches_each_miss_as_soon_as_it_is_validated(tmp_path: Path, monke
     src = make_blocks(4, NBYTES, seed=22)
     assert posix.wait(posix.dump(keys, src)).ok
     assert cache.wait(cache.dump(keys[:1], src[:1])).ok  # row 0 is a DRAM hit
-    held = _HeldKey(posix, keys[3], monkeypatch)
+    held = _held_last_shard(posix, keys[3], monkeypatch)
     rows = _Rows()
     dst = poisoned(4, NBYTES)
     task = cache.load_sharded(keys, dst, SHARDS, on_row=rows)
