@@ -424,6 +424,15 @@ class CacheStore(UcmKVStoreBase):
         self._used -= entry.data.numel()
         self._release_slot(entry.data)
 
+    def _promote_slot(self, key: bytes, slot: torch.Tensor) -> None:
+        """Make ``slot`` (filled with ``key``'s block, read from the stage below) ``key``'s entry, stored below; release
+        it instead when the key is cached already or the store is closed. Caller holds the lock."""
+        if not self._closed and key not in self._entries:
+            self._entries[key] = _Entry(slot, stored_below=True)
+            self._used += slot.numel()
+        else:
+            self._release_slot(slot)
+
     def _release_slot(self, slot: torch.Tensor) -> None:
         """Return ``slot`` (no longer an entry's, not being filled) to the free slots. Caller holds the lock."""
         self._free.setdefault(slot.numel(), []).append(slot)
@@ -595,11 +604,7 @@ class CacheStore(UcmKVStoreBase):
                 self._release_slot(slot)
             raise
         with self._lock:
-            if not self._closed and key not in self._entries:
-                self._entries[key] = _Entry(slot, stored_below=True)
-                self._used += slot.numel()
-            else:
-                self._release_slot(slot)
+            self._promote_slot(key, slot)
 
     def _finish_sharded_safely(self, num_keys: int, reads: list[_Read], result: Future[TaskResult]) -> None:
         """Complete a sharded load: wait for the stage below (whose rows were promoted by :meth:`_promote_row`
@@ -704,8 +709,7 @@ class CacheStore(UcmKVStoreBase):
                     continue
                 slot, read.slot = read.slot, None
                 key = keys[read.indices[0]]
-                if ok and not self._closed and key not in self._entries:
-                    self._entries[key] = _Entry(slot, stored_below=True)
-                    self._used += slot.numel()
+                if ok:
+                    self._promote_slot(key, slot)
                 else:
                     self._release_slot(slot)
