@@ -3,7 +3,8 @@
 Run::
 
     PYTHONPATH=. .venv/bin/python benchmarks/sparse.py [--models-dir models] [--lengths 2048 6144]
-        [--depths 0.25 0.5 0.75] [--fractions 0.7 0.5 0.3 0.1] [--skip-engine] [--out results.json]
+        [--depths 0.25 0.5 0.75] [--fractions 0.7 0.5 0.3 0.1] [--block-scoring key_bounds] [--block-size 128]
+        [--skip-engine] [--out results.json]
 
 Parts (the last line printed is a JSON object with every number):
 
@@ -13,13 +14,14 @@ Parts (the last line printed is a JSON object with every number):
    a relative depth of ``--depths``, ending with a question and "The secret passkey is"; greedy, 8 tokens. A prompt
    passes when the first 5-digit run of the answer is the passkey. One engine per configuration: dense (plugin
    loaded, no ``ucm_sparse_config``) and GSA at each kept fraction (``sparse_ratio``; ``init_window_sz`` 1,
-   ``local_window_sz`` 2, ``min_blocks`` 4, vLLM's CPU block size 128). Reported per configuration and length:
+   ``local_window_sz`` 2, ``min_blocks`` 4, ``block_scoring`` from ``--block-scoring``, vLLM block size
+   ``--block-size``, default 128 as in vLLM's CPU backend). Reported per configuration and length:
    passed / prompts, and ``same_as_dense``: answers token-identical to dense. Caveat: the first answer token comes
    from the (dense) prefill; GSA decides the others (SmolLM2 writes one digit per token, so 4 of the 5 digits).
 2. ``decode_ms_per_token`` (same engines): the longest prompt again (a vLLM prefix-cache hit, so its prefill is
    short) with 32 output tokens; ``(wall - TTFT) / 31``: whole decode steps (all 30 layers, MLP included).
 3. ``attention_kernel``: in-process, one layer of SmolLM2's attention shape (9 query heads, 3 KV heads, head dim 64,
-   bf16, block size 128) at ``--kernel-contexts`` tokens, one decode query: vLLM's CPU attention kernel on the dense
+   bf16, ``--block-size``) at ``--kernel-contexts`` tokens, one decode query: vLLM's CPU attention kernel on the dense
    block table vs GSA's selection (``select_ms``: scoring, top-k, metadata) plus the kernel on the kept blocks
    (``attend_ms``). Median of ``--repeats`` interleaved rounds, ``--kernel-threads`` threads (default 1). Shows how the
    attention itself scales with the fraction read.
@@ -86,7 +88,7 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     requests = [{"prompt": p, "max_tokens": ANSWER_TOKENS} for p in prompts]
     requests.append({"prompt": longest, "max_tokens": TIMING_TOKENS})  # prefix-cache hit: decode timing
     configs: list[tuple[str, dict[str, Any] | None]] = [] if args.no_dense else [("dense", None)]
-    configs += [(f"gsa_{f}", {"GSA": {"sparse_ratio": f}}) for f in args.fractions]
+    configs += [(f"gsa_{f}", {"GSA": {"sparse_ratio": f, "block_scoring": args.block_scoring}}) for f in args.fractions]
     out: dict[str, Any] = {"cases": cases, "configs": {}}
     dense_tokens: list[list[int]] = []
     for name, sparse in configs:
@@ -106,6 +108,7 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
                 "dtype": "bfloat16",
                 "max_model_len": 8192,
                 "enable_prefix_caching": True,
+                "engine_args": {"block_size": args.block_size},
                 "connector": ucm_transfer_config(extra, kv_role="kv_consumer"),
                 "requests": requests,
             }
@@ -156,7 +159,7 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
 
     # One thread: on a shared machine, OpenMP workers spin-waiting for busy cores make multi-thread timings noise.
     torch.set_num_threads(args.kernel_threads)
-    heads, kv_heads, dim, bs, dtype = 9, 3, 64, 128, torch.bfloat16
+    heads, kv_heads, dim, bs, dtype = 9, 3, 64, args.block_size, torch.bfloat16
     scale = dim**-0.5
     isa = _get_attn_isa(dtype, bs, dim)
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "isa": isa, "contexts": {}}
@@ -219,7 +222,7 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
         variants: dict[str, Any] = {"dense_attend": lambda md=md: attend(md)}
         row: dict[str, Any] = {"blocks": nb}
         for f in args.fractions:
-            method = GSA(GSAConfig(sparse_ratio=f))
+            method = GSA(GSAConfig(sparse_ratio=f, block_scoring=args.block_scoring))
             summaries = method.new_summaries(nb, kv_heads, dim, kv_cache.device)
 
             def select(method=method, summaries=summaries, md=md, query=query, kv_cache=kv_cache):
@@ -253,6 +256,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 6144])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.7, 0.5, 0.3, 0.1])
+    parser.add_argument("--block-scoring", default="key_bounds", choices=["key_bounds", "attention", "sparq"])
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM KV block size, a multiple of 32 on CPU")
     parser.add_argument("--no-dense", action="store_true", help="skip the dense engine (same_as_dense then 0)")
     parser.add_argument("--kernel-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--repeats", type=int, default=20)
@@ -268,6 +273,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
+        "block_scoring": args.block_scoring,
+        "block_size": args.block_size,
         "attention_kernel": run_kernel(args),
     }
     if not args.skip_engine:

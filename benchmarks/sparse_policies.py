@@ -29,6 +29,9 @@ Policies (every one keeps blocks with GSA's rule, :func:`ucm.sparse.gsa.keep_mas
   computed once at prefill and kept for the whole decode (the observation window of SnapKV, Li et al. 2024, "SnapKV:
   LLM Knows What You are Looking for Before Generation"). ``snap1`` uses only the last prompt token, the one a
   storage hit still computes.
+- ``sparqR`` (``sparq8``, ``sparq16``, ...): what ``block_scoring: sparq`` does: every step, the attention mass
+  approximated from ``R`` of the ``head_dim`` key components per KV head (:func:`ucm.sparse.gsa.sparq_mass`, after
+  SparQ Attention, Ribar et al. 2024);
 - ``oracleK`` (``oracle4``, ``oracle16``, ...): the oracle's ranking recomputed only every ``K`` decode steps (and
   when the request starts a new block), reused in between: what an amortised exact re-ranking would reach at 1/K of
   the oracle's scoring cost;
@@ -60,14 +63,15 @@ import torch  # noqa: E402
 
 from ucm.config import GSAConfig  # noqa: E402
 from ucm.kernels.block_scores import block_scores_reference  # noqa: E402
-from ucm.sparse.gsa import aggregate_scores, keep_mask  # noqa: E402
+from ucm.sparse.gsa import aggregate_scores, keep_mask, sparq_mass  # noqa: E402
 
 BLOCK_SIZE = 128  # vLLM's default CPU attention block size: the granularity the engine selects at
-ALLOWED = "gsa, oracle, oracle<K>, snap<W>, oracle_head, snap<W>_head"
+ALLOWED = "gsa, oracle, oracle<K>, snap<W>, sparq<R>, oracle_head, snap<W>_head"
 TASKS = ("passkey", "multidoc")
 ATTENTION_NAME = "ucm_sparse_policy"
 _SNAP = re.compile(r"snap(\d+)(_head)?")
 _EVERY = re.compile(r"oracle(\d+)")
+_SPARQ = re.compile(r"sparq(\d+)")
 
 
 class SparseDecode:
@@ -155,6 +159,9 @@ class SparseDecode:
             scores = block_mass(q[:, None], k, group, scale, length - 1, n, bs).sum(0)
             self.reused[layer] = (length, scores)
             return scores
+        elif match := _SPARQ.fullmatch(self.policy):
+            paged = torch.nn.functional.pad(k, (0, 0, 0, n * bs - k.shape[1])).view(k.shape[0], n, bs, -1)
+            return sparq_mass(q, paged.transpose(0, 1), torch.arange(n), k.shape[1], scale, int(match.group(1)))
         elif match := _SNAP.fullmatch(self.policy):
             queries = self.prompt_queries[layer][:, -int(match.group(1)) :]
             mass = block_mass(queries, k[:, : self.prompt_len], group, scale, self.prompt_len - 1, n, bs)
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON summary here")
     args = parser.parse_args(argv)
     known = ("gsa", "oracle", "oracle_head")
-    bad = [p for p in args.policies if p not in known and not _SNAP.fullmatch(p) and not _EVERY.fullmatch(p)]
+    bad = [p for p in args.policies if p not in known and not any(r.fullmatch(p) for r in (_SNAP, _EVERY, _SPARQ))]
     if bad:
         parser.error(f"--policies {bad}: allowed are {ALLOWED} (e.g. oracle4, snap16, snap16_head)")
     if any(not 0 < f <= 1 for f in args.fractions):

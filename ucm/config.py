@@ -207,14 +207,22 @@ class GSAConfig(_Strict):
     min_blocks: int = Field(
         4, ge=1, description="Requests with fewer KV blocks than this attend densely (must exceed both windows)."
     )
-    block_scoring: Literal["key_bounds", "attention"] = Field(
+    block_scoring: Literal["key_bounds", "attention", "sparq"] = Field(
         "key_bounds",
         description="How blocks are scored: 'key_bounds' (Quest's upper bound of q.k from per-block key min/max, "
-        "every step) or 'attention' (the exact attention mass each block got from the prompt's last "
-        "observation_window queries, refreshed from the current query whenever a request starts a new block).",
+        "every step), 'attention' (the exact attention mass each block got from the prompt's last "
+        "observation_window queries, refreshed from the current query whenever a request starts a new block) or "
+        "'sparq' (every step, the current query's attention mass approximated from score_channels key components, "
+        "after SparQ Attention).",
     )
     observation_window: int = Field(
         16, ge=1, description="block_scoring 'attention': prompt tokens whose queries score the blocks at prefill."
+    )
+    score_channels: int = Field(
+        16,
+        ge=1,
+        description="block_scoring 'sparq': key components (of head_dim) read per KV head to score blocks; "
+        "head_dim or more reads them all (the exact attention mass).",
     )
 
     @field_validator("sparse_ratio", mode="before")

@@ -26,7 +26,7 @@ def bench() -> ModuleType:
 def test_tiny_run(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model), "--seeds", "0", "--lengths", "1024"]
-    policies = ["gsa", "oracle", "oracle4", "snap4", "oracle_head", "snap4_head"]
+    policies = ["gsa", "oracle", "oracle4", "snap4", "sparq8", "oracle_head", "snap4_head"]
     cmd += ["--fractions", "1.0", "0.3", "--policies", *policies, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -58,7 +58,7 @@ def test_smaller_blocks(tiny_model: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--policies", "quest"], "allowed are gsa, oracle, oracle<K>, snap<W>, oracle_head, snap<W>_head"),
+        (["--policies", "quest"], "allowed are gsa, oracle, oracle<K>, snap<W>, sparq<R>, oracle_head, snap<W>_head"),
         (["--block-size", "0"], "--block-size 0: must be a positive number of tokens"),
     ],
 )

@@ -62,6 +62,8 @@ def runs(tiny_model, prompt, tmp_path_factory) -> dict[str, tuple[RequestResult,
         ("gsa_0.3", {"GSA": {"sparse_ratio": 0.3}}, plugin_env()),
         ("attention_all_blocks", {"GSA": {"sparse_ratio": 1.0, "block_scoring": "attention"}}, plugin_env()),
         ("attention_0.3", {"GSA": {"sparse_ratio": 0.3, "block_scoring": "attention"}}, plugin_env()),
+        ("sparq_all_blocks", {"GSA": {"sparse_ratio": 1.0, "block_scoring": "sparq"}}, plugin_env()),
+        ("sparq_0.3", {"GSA": {"sparse_ratio": 0.3, "block_scoring": "sparq"}}, plugin_env()),
     ]:
         out[name] = _run(tiny_model, tmp_path_factory.mktemp(name), prompt, sparse, env)
     return out
@@ -74,7 +76,9 @@ def test_plugin_off_is_byte_identical(runs) -> None:
     assert "sparse attention" not in runs["plugin_off"][1]
 
 
-@pytest.mark.parametrize("name", ["gsa_all_blocks", "attention_all_blocks"], ids=["key_bounds", "attention"])
+@pytest.mark.parametrize(
+    "name", ["gsa_all_blocks", "attention_all_blocks", "sparq_all_blocks"], ids=["key_bounds", "attention", "sparq"]
+)
 def test_all_blocks_equals_dense_exactly(runs, name) -> None:
     dense, sparse = runs["plugin_off"][0], runs[name][0]
     total = -(-PROMPT_TOKENS // BLOCK_SIZE)
@@ -83,7 +87,7 @@ def test_all_blocks_equals_dense_exactly(runs, name) -> None:
     assert sparse.logprobs == dense.logprobs
 
 
-@pytest.mark.parametrize("name", ["gsa_0.3", "attention_0.3"], ids=["key_bounds", "attention"])
+@pytest.mark.parametrize("name", ["gsa_0.3", "attention_0.3", "sparq_0.3"], ids=["key_bounds", "attention", "sparq"])
 def test_sparse_reads_fewer_blocks(runs, name) -> None:
     total = -(-PROMPT_TOKENS // BLOCK_SIZE)  # 22 blocks: ceil(0.3 * 22) = 7 kept
     assert f"sparse attention GSA: first decode selection kept 7 of {total} blocks" in runs[name][1]

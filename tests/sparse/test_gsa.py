@@ -236,3 +236,108 @@ def test_attention_scoring_with_all_blocks_kept_is_the_dense_table() -> None:
     assert torch.equal(sel.seq_lens, lens) and sel.kept.tolist() == [18, 9, 3, 13]
     for r in range(4):
         assert _kept_ids(sel, r) == table[r, : int(sel.kept[r])].tolist()
+
+
+# -- block_scoring: sparq ----------------------------------------------------------------------------------------
+
+
+def _sparq_reference(q: torch.Tensor, keys: torch.Tensor, ids: list[int], length: int, scale: float, r: int):
+    """Query head by query head (float64): the mass per block of one query ``[Hq, D]`` at ``length - 1`` from the
+    ``r`` components of largest ``|q|`` summed over the KV head's query heads, temperature ``scale / sqrt(share)``."""
+    h, bs = keys.shape[1], keys.shape[2]
+    group = q.shape[0] // h
+    k = torch.cat([keys[b] for b in ids], dim=1)[:, :length].double()  # [KVH, length, D]
+    q = q.double()
+    mass = torch.zeros(len(ids), dtype=torch.float64)
+    for kv in range(h):
+        weight = q[kv * group : (kv + 1) * group].abs().sum(0)
+        chosen = sorted(range(q.shape[1]), key=lambda c: -float(weight[c]))[:r]
+        for j in range(kv * group, (kv + 1) * group):
+            share = float(q[j, chosen].abs().sum() / q[j].abs().sum())
+            p = torch.softmax(k[kv][:, chosen] @ q[j, chosen] * scale / math.sqrt(share), dim=0)
+            for t in range(length):
+                mass[t // bs] += p[t]
+    return mass
+
+
+@pytest.mark.parametrize("channels", [1, 8, 40])
+@pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
+def test_sparq_mass_matches_reference(h: int, hq: int, d: int, bs: int, channels: int) -> None:
+    from ucm.sparse.gsa import sparq_mass
+
+    keys, table, lens, q = _batch(h, hq, d, bs)
+    for r in (0, 3):
+        length = int(lens[r])
+        ids = table[r, : math.ceil(length / bs)]
+        got = sparq_mass(q[r], keys, ids, length, d**-0.5, channels)
+        want = _sparq_reference(q[r], keys, ids.tolist(), length, d**-0.5, min(channels, d))
+        assert got.tolist() == pytest.approx(want.tolist(), abs=1e-5)
+        assert float(got.sum()) == pytest.approx(hq, rel=1e-5)
+
+
+@pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
+def test_sparq_with_every_channel_is_the_exact_mass(h: int, hq: int, d: int, bs: int) -> None:
+    from ucm.sparse.gsa import attention_mass, sparq_mass
+
+    keys, table, lens, q = _batch(h, hq, d, bs)
+    length = int(lens[0])
+    ids = table[0, : math.ceil(length / bs)]
+    exact = attention_mass(q[0][None], keys, ids, length, d**-0.5)
+    for channels in (d, d + 7):
+        assert sparq_mass(q[0], keys, ids, length, d**-0.5, channels).tolist() == pytest.approx(
+            exact.tolist(), abs=1e-6
+        )
+
+
+def test_sparq_scoring_follows_the_current_query() -> None:
+    """Every step scores from its own query: blocks holding a key along the query's direction are kept, and a
+    query along another direction switches to that direction's blocks at once."""
+    h, hq, d, bs = 2, 4, 16, 8
+    method = GSA(GSAConfig(sparse_ratio=0.3, block_scoring="sparq", score_channels=2))
+    num_blocks = 40
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn((num_blocks, h, bs, d), generator=g) * 0.1
+    table = torch.tensor(list(range(10, 30)), dtype=torch.int32)[None]  # 20 blocks: 3 forced + 3 chosen
+    first, second = torch.zeros(d), torch.zeros(d)
+    first[0], second[1] = 8.0, 8.0
+    for b in (13, 17, 21):
+        keys[b, :, 2] = first
+    for b in (15, 19, 23):
+        keys[b, :, 5] = second
+    summaries = method.new_summaries(num_blocks, h, d, torch.device("cpu"))
+    lens = torch.tensor([19 * bs + 3])
+
+    def kept(direction: torch.Tensor) -> list[int]:
+        sel = method.select(direction.expand(1, hq, d).clone(), keys, summaries, table, lens, d**-0.5)
+        return _kept_ids(sel, 0)
+
+    assert kept(first) == [10, 13, 17, 21, 28, 29]
+    assert kept(second) == [10, 15, 19, 23, 28, 29]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+def test_sparq_selection_keeps_the_top_approximate_mass(cfg: GSAConfig) -> None:
+    from ucm.sparse.gsa import keep_mask, sparq_mass
+
+    keys, table, lens, q = _batch(3, 9, 64, 32)
+    sparq = GSAConfig.model_validate({**cfg.model_dump(), "block_scoring": "sparq", "score_channels": 8})
+    method = GSA(sparq)
+    sel = method.select(q, keys, method.new_summaries(NUM_BLOCKS, 3, 64, torch.device("cpu")), table, lens, 0.125)
+    for r in range(4):
+        n = math.ceil(int(lens[r]) / 32)
+        if n < cfg.min_blocks:
+            want = table[r, :n].tolist()
+        else:
+            scores = sparq_mass(q[r], keys, table[r, :n], int(lens[r]), 0.125, 8)
+            keep = keep_mask(scores[None], torch.tensor([n]), sparq)[0]
+            want = table[r, :n][keep].tolist()
+        assert _kept_ids(sel, r) == want
+
+
+def test_sparq_scoring_with_all_blocks_kept_is_the_dense_table() -> None:
+    keys, table, lens, q = _batch(3, 9, 64, 32)
+    method = GSA(GSAConfig(sparse_ratio=1.0, block_scoring="sparq"))
+    sel = method.select(q, keys, method.new_summaries(NUM_BLOCKS, 3, 64, torch.device("cpu")), table, lens, 0.125)
+    assert torch.equal(sel.seq_lens, lens) and sel.kept.tolist() == [18, 9, 3, 13]
+    for r in range(4):
+        assert _kept_ids(sel, r) == table[r, : int(sel.kept[r])].tolist()

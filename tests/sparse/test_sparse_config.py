@@ -26,6 +26,7 @@ def test_gsa_defaults_filled_in() -> None:
             "min_blocks": 4,
             "block_scoring": "key_bounds",
             "observation_window": 16,
+            "score_channels": 16,
         }
     }
 
@@ -63,7 +64,7 @@ def test_unknown_key_names_the_allowed_ones() -> None:
     with pytest.raises(
         UcmConfigError,
         match=r"unknown key 'retrieval_stride' in ucm_sparse_config.GSA; valid keys: block_scoring, init_window_sz, "
-        r"local_window_sz, min_blocks, observation_window, sparse_ratio",
+        r"local_window_sz, min_blocks, observation_window, score_channels, sparse_ratio",
     ):
         parse_config({"ucm_sparse_config": {"GSA": {"retrieval_stride": 5}}})
 
@@ -77,8 +78,9 @@ def test_unknown_key_names_the_allowed_ones() -> None:
         ({"local_window_sz": 0}, r"local_window_sz: Input should be greater than or equal to 1"),
         ({"init_window_sz": -1}, r"init_window_sz: Input should be greater than or equal to 0"),
         ({"min_blocks": 3}, r"min_blocks \(3\) must be larger than init_window_sz \+ local_window_sz \(1 \+ 2\)"),
-        ({"block_scoring": "mean_key"}, r"block_scoring: Input should be 'key_bounds' or 'attention'"),
+        ({"block_scoring": "mean_key"}, r"block_scoring: Input should be 'key_bounds', 'attention' or 'sparq'"),
         ({"observation_window": 0}, r"observation_window: Input should be greater than or equal to 1"),
+        ({"score_channels": 0}, r"score_channels: Input should be greater than or equal to 1"),
     ],
     ids=[
         "ratio-zero",
@@ -89,6 +91,7 @@ def test_unknown_key_names_the_allowed_ones() -> None:
         "min-blocks-small",
         "unknown-scoring",
         "no-observation-window",
+        "no-score-channels",
     ],
 )
 def test_bad_values(gsa: dict, message: str) -> None:

@@ -31,6 +31,16 @@ key bounds are loose (every channel's extreme over 128 keys), and on the harness
 kept the wrong document's block far more often than measured attention did (``benchmarks/sparse_policies.py``).
 Cost: one pass of q.k over the request's keys per layer per ``block_size`` decode steps, and over the last
 ``observation_window`` prompt queries at prefill.
+
+Scoring ``block_scoring: sparq`` replaces steps 1-2 by the current query's attention mass, approximated at every
+step from ``score_channels`` of the ``head_dim`` key components per KV head (those where the query heads sharing
+the KV head have the largest ``|q|``), with the softmax temperature corrected for the dropped components: steps
+1-2 of SparQ Attention (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference"), summed per
+block (:func:`sparq_mass`). Nothing is precomputed (:class:`KeyChannels`). Why: on the harness's multi-document
+questions at 32-token blocks, only a ranking from each step's own query matched dense at 70% of blocks skipped;
+scores reused for 4 or more steps, or taken from the prompt's last queries, lost answers
+(``benchmarks/sparse_policies.py``). Cost: every step and layer reads ``score_channels / head_dim`` of every key
+of the request (on top of the kept blocks' full K and V).
 """
 
 from __future__ import annotations
@@ -89,6 +99,15 @@ class AttentionMass(BlockSummaries):
         """Unused: entries are computed by :meth:`GSA.observe` / :meth:`GSA.select`."""
 
 
+class KeyChannels(BlockSummaries):
+    """``block_scoring: sparq``: nothing is precomputed. Each step reads ``score_channels`` components of the
+    request's paged keys directly (:func:`sparq_mass`); vLLM's CPU layout stores a block's keys transposed, so each
+    component is one contiguous run. The base class's ``fill`` is unused."""
+
+    def _compute(self, keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """Unused: there is nothing to precompute."""
+
+
 def attention_mass(
     query: torch.Tensor, keys: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float
 ) -> torch.Tensor:
@@ -112,6 +131,44 @@ def attention_mass(
     future = torch.arange(n * bs, device=query.device)[None, :] > pos_q[:, None]  # [W, L]: later or past the end
     logits.masked_fill_(future[:, None, None, :], float("-inf"))
     mass = torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))  # [L]
+    return mass.view(n, bs).sum(dim=1)
+
+
+def sparq_mass(
+    query: torch.Tensor, keys: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float, channels: int
+) -> torch.Tensor:
+    """Approximate attention mass each block gets from one decode query, float32 ``[n]``, reading only ``channels``
+    of the ``head_dim`` key components (steps 1-2 of SparQ Attention, Ribar et al. 2024, "SparQ Attention:
+    Bandwidth-Efficient LLM Inference", with its channels shared by the query heads of one KV head, so each KV head's
+    keys are read once).
+
+    Per KV head, the ``channels`` components of largest ``|q|`` summed over the KV head's query heads are kept; each
+    query head's logits ``q_r . k_r`` use only those, with the softmax temperature corrected for the dropped ones
+    (``scale / sqrt(|q_r|_1 / |q|_1)``, as in the paper); per query head a softmax over the request's ``seq_len``
+    keys; summed over the query heads and over each block's tokens.
+
+    Args:
+        query: ``[num_heads, head_dim]``, the row's (post-RoPE) query at position ``seq_len - 1``.
+        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view; in vLLM's CPU layout a
+            block's keys are stored transposed, so one component of a block's keys is one contiguous run).
+        block_ids: int ``[n]`` the request's blocks in token order, ``n = ceil(seq_len / block_size)``.
+        seq_len: the request's length in tokens; scale: the attention's softmax scale.
+        channels: key components read per KV head, in ``[1, head_dim]`` (``head_dim``: the exact mass).
+    """
+    hq, d = query.shape
+    n, h, bs = block_ids.numel(), keys.shape[1], keys.shape[2]
+    q = query.float().view(h, hq // h, d)  # [KVH, group, D]
+    r = min(channels, d)
+    idx = q.abs().sum(1).topk(r, dim=-1).indices  # [KVH, r]
+    q_r = q.gather(2, idx[:, None, :].expand(-1, hq // h, -1))  # [KVH, group, r]
+    ids = block_ids.long()
+    k_r = keys[ids[:, None, None], torch.arange(h, device=keys.device)[None, :, None], :, idx[None]]  # [n, KVH, r, B]
+    share = q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(1e-30)  # [KVH, group]: the |q| the channels keep
+    temp = scale / share.clamp_min(1e-30).sqrt()
+    logits = torch.einsum("kgr,nkrb->kgnb", q_r, k_r.float()) * temp[:, :, None, None]  # [KVH, group, n, B]
+    logits = logits.reshape(h, hq // h, n * bs)
+    logits[..., seq_len:] = float("-inf")
+    mass = torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [L]
     return mass.view(n, bs).sum(dim=1)
 
 
@@ -174,10 +231,12 @@ class GSA(SparseMethod):
         self.impl = impl
 
     def new_summaries(self, num_blocks: int, num_kv_heads: int, head_dim: int, device: torch.device) -> BlockSummaries:
-        """An all-stale table for ``num_blocks`` blocks: :class:`KeyBounds`, or :class:`AttentionMass` with
-        ``block_scoring: attention``."""
+        """An all-stale table for ``num_blocks`` blocks: :class:`KeyBounds`, :class:`AttentionMass` with
+        ``block_scoring: attention``, :class:`KeyChannels` with ``block_scoring: sparq``."""
         if self.cfg.block_scoring == "attention":
             return AttentionMass(num_blocks, device)
+        if self.cfg.block_scoring == "sparq":
+            return KeyChannels(num_blocks, device)
         return KeyBounds(num_blocks, num_kv_heads, head_dim, device, "torch" if self.impl == "reference" else self.impl)
 
     def observe(
@@ -215,10 +274,12 @@ class GSA(SparseMethod):
         """See :meth:`SparseMethod.select`. Rows with fewer than ``min_blocks`` blocks keep all of them.
 
         Raises:
-            TypeError: ``summaries`` is neither a :class:`KeyBounds` nor an :class:`AttentionMass`.
+            TypeError: ``summaries`` is not a :class:`KeyBounds`, :class:`AttentionMass` or :class:`KeyChannels`.
         """
-        if not isinstance(summaries, (KeyBounds, AttentionMass)):
-            raise TypeError(f"GSA needs KeyBounds or AttentionMass summaries, got {type(summaries).__name__}")
+        if not isinstance(summaries, (KeyBounds, AttentionMass, KeyChannels)):
+            raise TypeError(
+                f"GSA needs KeyBounds, AttentionMass or KeyChannels summaries, got {type(summaries).__name__}"
+            )
         block_size = keys.shape[2]
         n = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
         sparse = n >= self.cfg.min_blocks
@@ -230,6 +291,13 @@ class GSA(SparseMethod):
             inside = cols < nb[:, None]
             if isinstance(summaries, AttentionMass):
                 scores = self._measured_scores(query[rows], keys, summaries, table, nb, lens, scale)
+            elif isinstance(summaries, KeyChannels):
+                scores = torch.full(table.shape, float("-inf"), dtype=torch.float32, device=table.device)
+                for r in range(table.shape[0]):
+                    n_r = int(nb[r])
+                    scores[r, :n_r] = sparq_mass(
+                        query[rows[r]], keys, table[r, :n_r], int(lens[r]), scale, self.cfg.score_channels
+                    )
             else:
                 counts = torch.where(
                     cols == (nb - 1)[:, None], lens[:, None] - (nb - 1)[:, None] * block_size, block_size
