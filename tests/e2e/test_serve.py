@@ -19,7 +19,6 @@ pytestmark = pytest.mark.engine
 
 DOC_TOKENS = 1000
 QUESTION = "What is this document? Answer in one sentence."
-STARTUP_TIMEOUT_S = 300
 
 
 class Server(VllmServer):
@@ -27,7 +26,7 @@ class Server(VllmServer):
 
     def __init__(self, model: Path, config_file: Path, log: Path) -> None:
         super().__init__(model, log, ucm_transfer_config({"UCM_CONFIG_FILE": str(config_file)}))
-        self.wait_ready(STARTUP_TIMEOUT_S)
+        self.wait_ready()  # ucm.testing.server.STARTUP_TIMEOUT_S: 600 s, for loaded machines
 
     def chat(self, content: str) -> dict:
         body = {
