@@ -79,7 +79,8 @@ class SparseDecode:
     steps under the current :attr:`policy` and :attr:`cfg`.
 
     Attributes:
-        policy: ``dense``, ``gsa``, ``oracle``, ``oracle<K>``, ``snap<W>``, ``oracle_head`` or ``snap<W>_head``.
+        policy: ``dense``, ``gsa``, ``oracle``, ``oracle<K>``, ``snap<W>``, ``sparq<R>``, ``oracle_head`` or
+            ``snap<W>_head``.
         cfg: GSA's windows and budget (``sparse_ratio`` = the kept fraction).
         kept: kept blocks / blocks over the sparse steps so far (for the report).
         block_size: tokens per block, the selection granularity.
