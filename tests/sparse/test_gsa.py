@@ -341,3 +341,17 @@ def test_sparq_scoring_with_all_blocks_kept_is_the_dense_table() -> None:
     assert torch.equal(sel.seq_lens, lens) and sel.kept.tolist() == [18, 9, 3, 13]
     for r in range(4):
         assert _kept_ids(sel, r) == table[r, : int(sel.kept[r])].tolist()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
+def test_sparq_selection_is_the_reference_kernels(h: int, hq: int, d: int, bs: int, cfg: GSAConfig) -> None:
+    """The batched CPU path (one gather and matmul for all rows) keeps the blocks the loop-by-loop oracle keeps."""
+    keys, table, lens, q = _batch(h, hq, d, bs)
+    sparq = GSAConfig.model_validate({**cfg.model_dump(), "block_scoring": "sparq", "score_channels": 8})
+    kept = {}
+    for impl in ("torch", "reference"):
+        method = GSA(sparq, impl=impl)
+        sel = method.select(q, keys, method.new_summaries(NUM_BLOCKS, h, d, torch.device("cpu")), table, lens, d**-0.5)
+        kept[impl] = [_kept_ids(sel, r) for r in range(4)]
+    assert kept["torch"] == kept["reference"]

@@ -36,11 +36,11 @@ Scoring ``block_scoring: sparq`` replaces steps 1-2 by the current query's atten
 step from ``score_channels`` of the ``head_dim`` key components per KV head (those where the query heads sharing
 the KV head have the largest ``|q|``), with the softmax temperature corrected for the dropped components: steps
 1-2 of SparQ Attention (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference"), summed per
-block (:func:`sparq_mass`). Nothing is precomputed (:class:`KeyChannels`). Why: on the harness's multi-document
-questions at 32-token blocks, only a ranking from each step's own query matched dense at 70% of blocks skipped;
-scores reused for 4 or more steps, or taken from the prompt's last queries, lost answers
-(``benchmarks/sparse_policies.py``). Cost: every step and layer reads ``score_channels / head_dim`` of every key
-of the request (on top of the kept blocks' full K and V).
+block (:func:`sparq_scores`; the kernels are ``ucm.kernels.sparq_scores``). Nothing is precomputed
+(:class:`KeyChannels`). Why: on the harness's multi-document questions at 32-token blocks, only a ranking from each
+step's own query matched dense at 70% of blocks skipped; scores reused for 4 or more steps, or taken from the
+prompt's last queries, lost answers (``benchmarks/sparse_policies.py``). Cost: every step and layer reads
+``score_channels / head_dim`` of every key of the request (on top of the kept blocks' full K and V).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import torch
 from ucm.config import GSAConfig
 from ucm.kernels.block_scores import block_scores, block_scores_reference
 from ucm.kernels.block_summaries import block_summaries
+from ucm.kernels.sparq_scores import sparq_block_lse, sparq_block_lse_reference
 from ucm.sparse.base import BlockSummaries, Selection, SparseMethod, compact_block_table
 
 
@@ -101,7 +102,7 @@ class AttentionMass(BlockSummaries):
 
 class KeyChannels(BlockSummaries):
     """``block_scoring: sparq``: nothing is precomputed. Each step reads ``score_channels`` components of the
-    request's paged keys directly (:func:`sparq_mass`); vLLM's CPU layout stores a block's keys transposed, so each
+    request's paged keys directly (:func:`sparq_scores`); vLLM's CPU layout stores a block's keys transposed, so each
     component is one contiguous run. The base class's ``fill`` is unused."""
 
     def _compute(self, keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor) -> None:
@@ -134,42 +135,71 @@ def attention_mass(
     return mass.view(n, bs).sum(dim=1)
 
 
+def sparq_query(
+    query: torch.Tensor, num_kv_heads: int, channels: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 of SparQ Attention and its temperature (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM
+    Inference"), with the components shared by the query heads of one KV head (so each KV head's keys are read
+    once): per row and KV head, the ``channels`` components of largest ``|q|`` summed over the KV head's query
+    heads, and each query head's values there times ``scale / sqrt(|q_r|_1 / |q|_1)`` (the softmax temperature
+    corrected for the dropped components, as in the paper).
+
+    Args:
+        query: ``[R, num_heads, head_dim]`` one (post-RoPE) decode query per row, any float dtype.
+        num_kv_heads: KV heads (``num_heads`` is a multiple of it); channels: components kept, clamped to
+            ``[1, head_dim]``; scale: the attention's softmax scale.
+
+    Returns:
+        ``(q_r, idx)``: float32 ``[R, num_heads, C]`` and int64 ``[R, num_kv_heads, C]``, ``C = min(channels,
+        head_dim)``: the inputs of :func:`ucm.kernels.sparq_scores.sparq_block_lse`.
+    """
+    r, hq, d = query.shape
+    group = hq // num_kv_heads
+    q = query.float().view(r, num_kv_heads, group, d)
+    c = max(1, min(channels, d))
+    idx = q.abs().sum(2).topk(c, dim=-1).indices  # [R, KVH, C]
+    q_r = q.gather(3, idx[:, :, None, :].expand(-1, -1, group, -1))  # [R, KVH, group, C]
+    share = q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(1e-30)  # [R, KVH, group]: the |q| the components keep
+    q_r = q_r * (scale / share.clamp_min(1e-30).sqrt())[..., None]
+    return q_r.reshape(r, hq, c), idx
+
+
+def sparq_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    channels: int,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Approximate attention mass each block gets from each row's decode query, float32 ``[R, W]`` (``-inf`` past
+    a row's blocks), reading only ``channels`` of the ``head_dim`` key components per KV head (steps 1-2 of SparQ
+    Attention: :func:`sparq_query`, then :func:`ucm.kernels.sparq_scores.sparq_block_lse`): per query head, the
+    softmax over the request's ``seq_len`` keys, summed over each block's tokens and over the query heads.
+
+    Args:
+        query: ``[R, num_heads, head_dim]``, row ``r``'s query at position ``seq_lens[r] - 1``.
+        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view).
+        block_table: int ``[R, W]`` the requests' blocks in token order; seq_lens: int ``[R]`` tokens per row.
+        scale: the attention's softmax scale; channels: key components read per KV head (``head_dim``: exact).
+        impl: ``"auto"``, ``"triton"``, ``"torch"`` or ``"reference"`` (the kernel's test oracle).
+    """
+    q_r, idx = sparq_query(query, keys.shape[1], channels, scale)
+    if impl == "reference":
+        lse = sparq_block_lse_reference(q_r, idx, keys, block_table, seq_lens)
+    else:
+        lse = sparq_block_lse(q_r, idx, keys, block_table, seq_lens, impl=impl)
+    return aggregate_scores(lse, 1.0)  # softmax over blocks of the per-block log-sum-exp = each block's share
+
+
 def sparq_mass(
     query: torch.Tensor, keys: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scale: float, channels: int
 ) -> torch.Tensor:
-    """Approximate attention mass each block gets from one decode query, float32 ``[n]``, reading only ``channels``
-    of the ``head_dim`` key components (steps 1-2 of SparQ Attention, Ribar et al. 2024, "SparQ Attention:
-    Bandwidth-Efficient LLM Inference", with its channels shared by the query heads of one KV head, so each KV head's
-    keys are read once).
-
-    Per KV head, the ``channels`` components of largest ``|q|`` summed over the KV head's query heads are kept; each
-    query head's logits ``q_r . k_r`` use only those, with the softmax temperature corrected for the dropped ones
-    (``scale / sqrt(|q_r|_1 / |q|_1)``, as in the paper); per query head a softmax over the request's ``seq_len``
-    keys; summed over the query heads and over each block's tokens.
-
-    Args:
-        query: ``[num_heads, head_dim]``, the row's (post-RoPE) query at position ``seq_len - 1``.
-        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view; in vLLM's CPU layout a
-            block's keys are stored transposed, so one component of a block's keys is one contiguous run).
-        block_ids: int ``[n]`` the request's blocks in token order, ``n = ceil(seq_len / block_size)``.
-        seq_len: the request's length in tokens; scale: the attention's softmax scale.
-        channels: key components read per KV head, in ``[1, head_dim]`` (``head_dim``: the exact mass).
-    """
-    hq, d = query.shape
-    n, h, bs = block_ids.numel(), keys.shape[1], keys.shape[2]
-    q = query.float().view(h, hq // h, d)  # [KVH, group, D]
-    r = min(channels, d)
-    idx = q.abs().sum(1).topk(r, dim=-1).indices  # [KVH, r]
-    q_r = q.gather(2, idx[:, None, :].expand(-1, hq // h, -1))  # [KVH, group, r]
-    ids = block_ids.long()
-    k_r = keys[ids[:, None, None], torch.arange(h, device=keys.device)[None, :, None], :, idx[None]]  # [n, KVH, r, B]
-    share = q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(1e-30)  # [KVH, group]: the |q| the channels keep
-    temp = scale / share.clamp_min(1e-30).sqrt()
-    logits = torch.einsum("kgr,nkrb->kgnb", q_r, k_r.float()) * temp[:, :, None, None]  # [KVH, group, n, B]
-    logits = logits.reshape(h, hq // h, n * bs)
-    logits[..., seq_len:] = float("-inf")
-    mass = torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [L]
-    return mass.view(n, bs).sum(dim=1)
+    """:func:`sparq_scores` of one row: float32 ``[n]`` for ``query`` ``[num_heads, head_dim]`` at position
+    ``seq_len - 1`` and its blocks ``block_ids`` int ``[n]``, ``n = ceil(seq_len / block_size)`` (torch path)."""
+    lens = torch.tensor([seq_len], device=query.device)
+    return sparq_scores(query[None], keys, block_ids[None], lens, scale, channels, impl="torch")[0]
 
 
 def _drop_entries_of(summaries: AttentionMass, block_ids: torch.Tensor, first: int) -> None:
@@ -292,12 +322,7 @@ class GSA(SparseMethod):
             if isinstance(summaries, AttentionMass):
                 scores = self._measured_scores(query[rows], keys, summaries, table, nb, lens, scale)
             elif isinstance(summaries, KeyChannels):
-                scores = torch.full(table.shape, float("-inf"), dtype=torch.float32, device=table.device)
-                for r in range(table.shape[0]):
-                    n_r = int(nb[r])
-                    scores[r, :n_r] = sparq_mass(
-                        query[rows[r]], keys, table[r, :n_r], int(lens[r]), scale, self.cfg.score_channels
-                    )
+                scores = sparq_scores(query[rows], keys, table, lens, scale, self.cfg.score_channels, self.impl)
             else:
                 counts = torch.where(
                     cols == (nb - 1)[:, None], lens[:, None] - (nb - 1)[:, None] * block_size, block_size

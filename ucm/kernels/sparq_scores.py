@@ -1,0 +1,257 @@
+"""sparq_scores: per-block log-sum-exp of decode-query logits approximated from a few key components (SparQ).
+
+For request ``r``, query head ``j`` (KV head ``h = j // (num_heads / num_kv_heads)``) and the ``w``-th block of its
+block table (``b = block_table[r, w]``), over the block's tokens ``t`` inside the request
+(``w * block_size + t < seq_lens[r]``)::
+
+    s[t]           = sum_c q[r, j, c] * K[b, h, t, channels[r, h, c]]
+    lse[r, j, w]   = log(sum_t exp(s[t]))                  (-inf for a block with no such token)
+
+``q`` holds only the chosen components of each query head (already multiplied by the head's softmax scale), so
+``s`` is step 2 of SparQ Attention (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference"): an
+approximation of the attention logits that reads ``C`` of the ``head_dim`` components of every key. The share of
+head ``j``'s attention block ``w`` would get is then ``softmax_w(lse[r, j, :])`` (``ucm.sparse.gsa.sparq_scores``);
+returning per-block log-sum-exps rather than per-token logits keeps the output ``block_size`` times smaller and
+lets a GPU program finish a block in one pass.
+
+Keys are read in place from vLLM's paged cache (a strided view ``[num_blocks, num_kv_heads, block_size,
+head_dim]``). In the CPU_ATTN layout a block's keys are stored transposed, so one component of one block is one
+contiguous run of ``block_size`` values: the CPU path gathers exactly those runs (``index_select`` over rows of a 2-D
+view of the cache) and multiplies them with one batched matmul.
+
+The sum over components is an fp32 reduction whose order differs between implementations; results agree to fp32
+rounding (tests use a tolerance), not bit for bit.
+
+Implementations (``impl=``): ``"triton"`` (one program per (request, KV head, block), all query heads of the KV head
+at once; the default on CUDA; the interpreter on CPU tensors, tests only) and ``"torch"`` (row gather + batched
+matmul + ``logsumexp``: the CPU path); :func:`sparq_block_lse_reference` is the oracle (loops over requests, heads
+and blocks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ucm.kernels._block_copy import _interpreted
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def _check(
+    q: torch.Tensor, channels: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
+    if keys.dim() != 4 or keys.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            "keys must be float16/bfloat16/float32 [num_blocks, num_kv_heads, block_size, head_dim], got "
+            f"{keys.dtype} {tuple(keys.shape)}"
+        )
+    _, h, bs, d = keys.shape
+    if q.dim() != 3 or q.dtype != torch.float32:
+        raise ValueError(f"q must be float32 [R, num_heads, C], got {q.dtype} {tuple(q.shape)}")
+    r, hq, c = q.shape
+    if hq % h:
+        raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({h})")
+    if tuple(channels.shape) != (r, h, c) or channels.dtype != torch.int64:
+        raise ValueError(f"channels must be int64 [{r}, {h}, {c}], got {channels.dtype} {tuple(channels.shape)}")
+    if channels.numel() and (int(channels.min()) < 0 or int(channels.max()) >= d):
+        raise ValueError(
+            f"channels must lie in [0, {d}) (head_dim), got values in [{int(channels.min())}, {int(channels.max())}]"
+        )
+    if block_table.dim() != 2 or block_table.shape[0] != r or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"block_table must be int32/int64 [{r}, W], got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    w = block_table.shape[1]
+    if tuple(seq_lens.shape) != (r,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32/int64 [{r}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if r and (int(seq_lens.min()) < 0 or int(seq_lens.max()) > w * bs):
+        raise ValueError(f"seq_lens must lie in [0, {w * bs}] (block table width {w} x block_size {bs})")
+    for name, t in (("channels", channels), ("keys", keys), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: must be on one device")
+
+
+def sparq_block_lse(
+    q: torch.Tensor,
+    channels: torch.Tensor,
+    keys: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Per-block log-sum-exp of the approximate logits (see the module doc): float32 ``[R, num_heads, W]``.
+
+    Args:
+        q: float32 ``[R, num_heads, C]``, each query head's components at its KV head's ``channels``, times the
+            head's softmax scale.
+        channels: int64 ``[R, num_kv_heads, C]``, the key components read per row and KV head, in ``[0, head_dim)``.
+        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view), float16/bfloat16/float32.
+        block_table: int32/int64 ``[R, W]`` vLLM block ids of each request, in token order; entries past a row's
+            ``ceil(seq_lens / block_size)`` blocks are not read.
+        seq_lens: int32/int64 ``[R]`` tokens per request, in ``[0, W * block_size]``.
+        impl: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices or channel indices, or unknown ``impl``.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    _check(q, channels, keys, block_table, seq_lens)
+    if impl == "auto":
+        impl = "triton" if q.device.type == "cuda" else "torch"
+    if impl == "triton":
+        out = torch.empty((q.shape[0], q.shape[1], block_table.shape[1]), dtype=torch.float32, device=q.device)
+        if out.numel():
+            _lse_triton(q, channels, keys, block_table, seq_lens, out)
+        return out
+    return _lse_torch(q, channels, keys, block_table, seq_lens)
+
+
+def sparq_block_lse_reference(
+    q: torch.Tensor, channels: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    """Test oracle: the same ``[R, num_heads, W]`` log-sum-exps, one request, head and block at a time."""
+    r, hq, _ = q.shape
+    h, bs = keys.shape[1], keys.shape[2]
+    group = hq // h
+    out = torch.full((r, hq, block_table.shape[1]), float("-inf"), dtype=torch.float32)
+    for i in range(r):
+        length = int(seq_lens[i])
+        for w in range(-(-length // bs)):
+            count = min(bs, length - w * bs)
+            b = int(block_table[i, w])
+            for j in range(hq):
+                k = keys[b, j // group, :count][:, channels[i, j // group]].float()  # [count, C]
+                out[i, j, w] = torch.logsumexp(k @ q[i, j], dim=0)
+    return out
+
+
+def _key_rows(keys: torch.Tensor) -> torch.Tensor | None:
+    """``keys`` as rows of ``block_size`` contiguous values, one per (block, KV head, component): a 2-D view
+    ``[rows, block_size]`` whose row ``(b * s0 + h * s1 + c * s3) / s3`` is ``keys[b, h, :, c]`` (``s``: the
+    strides of ``keys``); ``None`` where the layout has no such view (tokens not contiguous, or block/head strides
+    not multiples of the component's)."""
+    s0, s1, s2, s3 = keys.stride()
+    if s2 != 1 or s3 < 1 or s0 % s3 or s1 % s3:
+        return None
+    nb, h, bs, d = keys.shape
+    rows = ((nb - 1) * s0 + (h - 1) * s1 + (d - 1) * s3) // s3 + 1
+    return keys.as_strided((rows, bs), (s3, 1))
+
+
+def _lse_torch(
+    q: torch.Tensor, channels: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    r, hq, c = q.shape
+    _, h, bs, _ = keys.shape
+    w = block_table.shape[1]
+    n = torch.div(seq_lens.long() + bs - 1, bs, rounding_mode="floor")
+    inside = torch.arange(w, device=q.device)[None, :] < n[:, None]  # [R, W]
+    ids = torch.where(inside, block_table.long(), 0)  # unused entries may hold anything; read block 0 instead
+    heads = torch.arange(h, device=q.device)
+    rows = _key_rows(keys)
+    if rows is not None:
+        # Row ids ordered (request, KV head, component, block): the gathered runs form [R, H, C, W * block_size].
+        s0, s1, _, s3 = keys.stride()
+        row_ids = (ids[:, None, None, :] * (s0 // s3) + heads[None, :, None, None] * (s1 // s3)) + channels[..., None]
+        k = rows.index_select(0, row_ids.flatten()).view(r, h, c, w * bs)
+    else:  # any other layout: advanced indexing gives [R, H, C, W, block_size]
+        k = keys[ids[:, None, None, :], heads[None, :, None, None], :, channels[..., None]].reshape(r, h, c, w * bs)
+    logits = torch.matmul(q.view(r, h, hq // h, c), k.float())  # [R, H, G, W * block_size]
+    # Tokens past each row's length: only from the shortest row's last block on (a row's earlier blocks are full).
+    start = (int(n.min()) - 1) * bs if r else 0
+    past = torch.arange(max(start, 0), w * bs, device=q.device)[None, :] >= seq_lens[:, None].long()
+    logits[..., max(start, 0) :].masked_fill_(past[:, None, None, :], float("-inf"))
+    return torch.logsumexp(logits.view(r, hq, w, bs), dim=-1)
+
+
+@triton.jit
+def _sparq_lse_kernel(
+    q_ptr,  # [R, HQ, C] float32 contiguous
+    ch_ptr,  # [R, NUM_KV_HEADS, C] int64 contiguous
+    k_ptr,  # paged keys, strided
+    table_ptr,  # [R, W] block ids
+    lens_ptr,  # [R] tokens per request
+    out_ptr,  # [R, HQ, W] float32
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_table,
+    W,
+    C,
+    HQ: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    w = tl.program_id(2).to(tl.int64)
+    group: tl.constexpr = HQ // NUM_KV_HEADS
+    count = tl.load(lens_ptr + r).to(tl.int64) - w * BLOCK_SIZE  # tokens of this block inside the request
+    o_g = tl.arange(0, BLOCK_G).to(tl.int64)
+    o_t = tl.arange(0, BLOCK_T).to(tl.int64)
+    m_g = o_g < group
+    m_t = (o_t < BLOCK_SIZE) & (o_t < count)
+    b = tl.load(table_ptr + r * stride_table + w, mask=count > 0, other=0).to(tl.int64)
+    heads = r * HQ + h * group + o_g  # [BG] rows of q and out
+    base = k_ptr + b * stride_kb + h * stride_kh + o_t * stride_kt  # [BT]
+    s = tl.zeros((BLOCK_G, BLOCK_T), dtype=tl.float32)
+    for i in range(C):
+        c = tl.load(ch_ptr + (r * NUM_KV_HEADS + h) * C + i)
+        k = tl.load(base + c * stride_kd, mask=m_t, other=0.0).to(tl.float32)  # [BT]: one key component
+        qc = tl.load(q_ptr + heads * C + i, mask=m_g, other=0.0)  # [BG]
+        s += qc[:, None] * k[None, :]
+    s = tl.where(m_t[None, :], s, float("-inf"))
+    m = tl.max(s, axis=1)  # [BG]; -inf for a block past the request
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    lse = m_safe + tl.log(tl.sum(tl.exp(s - m_safe[:, None]), axis=1))  # log(0) = -inf past the request
+    tl.store(out_ptr + heads * W + w, lse, mask=m_g)
+
+
+def sparq_kernel_meta(num_heads: int, num_kv_heads: int, block_size: int) -> dict[str, int]:
+    """The constexprs of ``_sparq_lse_kernel`` chosen from the shape (also used by the sm_90 compile test)."""
+    return {
+        "HQ": num_heads,
+        "NUM_KV_HEADS": num_kv_heads,
+        "BLOCK_SIZE": block_size,
+        "BLOCK_G": triton.next_power_of_2(num_heads // num_kv_heads),
+        "BLOCK_T": triton.next_power_of_2(block_size),
+    }
+
+
+def _lse_triton(
+    q: torch.Tensor,
+    channels: torch.Tensor,
+    keys: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    r, hq, c = q.shape
+    _, h, bs, _ = keys.shape
+    w = block_table.shape[1]
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    kernel = _interpreted(_sparq_lse_kernel) if q.device.type == "cpu" else _sparq_lse_kernel
+    kernel[(r, h, w)](
+        q.contiguous(),
+        channels.contiguous(),
+        keys,
+        block_table,
+        seq_lens,
+        out,
+        *keys.stride(),
+        block_table.stride(0),
+        w,
+        c,
+        num_warps=1 if os.environ.get("TRITON_INTERPRET") == "1" else 4,
+        **sparq_kernel_meta(hq, h, bs),
+    )
