@@ -188,6 +188,7 @@ def run_phase(
         "enable_prefix_caching": prefix_caching,
         "connector": connector,
         "requests": [request(WARMUP_PROMPT), *requests],
+        "engine_core_process": True,  # vLLM's own layout: TTFT as a deployment sees it
     }
     phase = Phase(name)
     log_path = log_dir / f"{name}.log"

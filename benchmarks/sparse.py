@@ -111,6 +111,7 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
                 "engine_args": {"block_size": args.block_size},
                 "connector": ucm_transfer_config(extra, kv_role="kv_consumer"),
                 "requests": requests,
+                "engine_core_process": True,  # vLLM's own layout: decode times as a deployment sees them
             }
             t0 = time.perf_counter()
             try:

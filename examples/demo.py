@@ -72,6 +72,7 @@ def main() -> int:
             "max_model_len": 4096,
             "connector": connector,
             "requests": reqs,
+            "engine_core_process": True,  # as `vllm serve` and LLM(...) run it
         }
 
     print(f"[demo] model {model}, store {store.resolve()}", flush=True)

@@ -70,7 +70,8 @@ def cold(tiny_model, store, prompts) -> list[RequestResult]:
 
 @pytest.fixture(scope="module")
 def restarted(tiny_model, store, prompts, cold) -> tuple[list[RequestResult], list[RequestResult], str]:
-    """A restarted engine and, at the same time, a second instance, both on the cold engine's store."""
+    """A restarted engine (in vLLM's own process layout) and, at the same time, a second instance, both on the
+    cold engine's store."""
     second: dict[str, list[RequestResult]] = {}
 
     def run_second() -> None:
@@ -79,18 +80,20 @@ def restarted(tiny_model, store, prompts, cold) -> tuple[list[RequestResult], li
 
     thread = threading.Thread(target=run_second)
     thread.start()
-    results, stderr = run_engine(
-        _spec(
-            tiny_model,
-            store,
-            [
-                {"prompt": prompts["p1"]},
-                {"prompt": prompts["p2"], "reset_prefix_cache": True},
-                {"prompt": prompts["p1"], "cache_salt": "tenant-b", "reset_prefix_cache": True},
-                {"prompt": prompts["p1"], "cache_salt": "tenant-c", "reset_prefix_cache": True},
-            ],
-        )
+    spec = _spec(
+        tiny_model,
+        store,
+        [
+            {"prompt": prompts["p1"]},
+            {"prompt": prompts["p2"], "reset_prefix_cache": True},
+            {"prompt": prompts["p1"], "cache_salt": "tenant-b", "reset_prefix_cache": True},
+            {"prompt": prompts["p1"], "cache_salt": "tenant-c", "reset_prefix_cache": True},
+        ],
     )
+    # vLLM's own process layout (a separate engine-core process, as LLM(...) and `vllm serve` run by default);
+    # the other engines here run it in-process (ucm.testing.engine), so outputs are also compared across the two.
+    spec["engine_core_process"] = True
+    results, stderr = run_engine(spec)
     thread.join()
     return results, second["results"], stderr
 
