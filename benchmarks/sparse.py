@@ -3,7 +3,8 @@
 Run::
 
     PYTHONPATH=. .venv/bin/python benchmarks/sparse.py [--models-dir models] [--lengths 2048 6144]
-        [--depths 0.25 0.5 0.75] [--fractions 0.7 0.5 0.3 0.1] [--block-scoring key_bounds] [--block-size 128]
+        [--depths 0.25 0.5 0.75] [--fractions 0.7 0.5 0.3 0.1] [--block-scoring sparq [key_bounds ...]]
+        [--block-size 128]
         [--skip-engine] [--out results.json]
 
 Parts (the last line printed is a JSON object with every number):
@@ -13,8 +14,8 @@ Parts (the last line printed is a JSON object with every number):
    text (``ucm.testing.texts``) of ``--lengths`` tokens with one sentence "The secret passkey is NNNNN." inserted at
    a relative depth of ``--depths``, ending with a question and "The secret passkey is"; greedy, 8 tokens. A prompt
    passes when the first 5-digit run of the answer is the passkey. One engine per configuration: dense (plugin
-   loaded, no ``ucm_sparse_config``) and GSA at each kept fraction (``sparse_ratio``; ``init_window_sz`` 1,
-   ``local_window_sz`` 2, ``min_blocks`` 4, ``block_scoring`` from ``--block-scoring``, vLLM block size
+   loaded, no ``ucm_sparse_config``) and GSA for each ``--block-scoring`` at each kept fraction (configuration
+   ``<block_scoring>_<sparse_ratio>``; ``init_window_sz`` 1, ``local_window_sz`` 2, ``min_blocks`` 4, vLLM block size
    ``--block-size``, default 128 as in vLLM's CPU backend). Reported per configuration and length:
    passed / prompts, and ``same_as_dense``: answers token-identical to dense. Caveat: the first answer token comes
    from the (dense) prefill; GSA decides the others (SmolLM2 writes one digit per token, so 4 of the 5 digits).
@@ -23,8 +24,11 @@ Parts (the last line printed is a JSON object with every number):
 3. ``attention_kernel``: in-process, one layer of SmolLM2's attention shape (9 query heads, 3 KV heads, head dim 64,
    bf16, ``--block-size``) at ``--kernel-contexts`` tokens, one decode query: vLLM's CPU attention kernel on the dense
    block table vs GSA's selection (``select_ms``: scoring, top-k, metadata) plus the kernel on the kept blocks
-   (``attend_ms``). Median of ``--repeats`` interleaved rounds, ``--kernel-threads`` threads (default 1). Shows how the
-   attention itself scales with the fraction read.
+   (``attend_ms``), for each ``--block-scoring`` and kept fraction. Median of ``--repeats`` interleaved rounds (every
+   variant once per round, so the scorings are compared under the same load), ``--kernel-threads`` threads (default
+   1), the request's blocks at ``--block-table`` ids (``shuffled``: scattered over the cache, the default;
+   ``ascending``: in order, as a fresh engine allocates them). Shows how the attention itself scales with the
+   fraction read, and what each scoring costs.
 
 Timings come from a shared 2-core machine: compare ratios within one run, not absolute numbers across runs.
 """
@@ -88,7 +92,11 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     requests = [{"prompt": p, "max_tokens": ANSWER_TOKENS} for p in prompts]
     requests.append({"prompt": longest, "max_tokens": TIMING_TOKENS})  # prefix-cache hit: decode timing
     configs: list[tuple[str, dict[str, Any] | None]] = [] if args.no_dense else [("dense", None)]
-    configs += [(f"gsa_{f}", {"GSA": {"sparse_ratio": f, "block_scoring": args.block_scoring}}) for f in args.fractions]
+    configs += [
+        (f"{scoring}_{f}", {"GSA": {"sparse_ratio": f, "block_scoring": scoring}})
+        for scoring in args.block_scoring
+        for f in args.fractions
+    ]
     out: dict[str, Any] = {"cases": cases, "configs": {}}
     dense_tokens: list[list[int]] = []
     for name, sparse in configs:
@@ -172,7 +180,8 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
         query = torch.randn((1, heads, dim), generator=g).to(dtype)
         qsl = torch.tensor([0, 1], dtype=torch.int32)
         seq_lens = torch.tensor([ctx], dtype=torch.int32)
-        table = torch.randperm(nb, generator=g).to(torch.int32)[None]
+        ids = torch.randperm(nb, generator=g) if args.block_table == "shuffled" else torch.arange(nb)
+        table = ids.to(torch.int32)[None]
 
         def sched(lens: torch.Tensor, qsl: torch.Tensor = qsl) -> torch.Tensor:
             return ops.cpu_attn_get_scheduler_metadata(
@@ -222,8 +231,9 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
         # Every variant once per round, rounds repeated: load changes on a shared machine hit all variants alike.
         variants: dict[str, Any] = {"dense_attend": lambda md=md: attend(md)}
         row: dict[str, Any] = {"blocks": nb}
-        for f in args.fractions:
-            method = GSA(GSAConfig(sparse_ratio=f, block_scoring=args.block_scoring))
+        configs = [(f"{scoring}_{f}", scoring, f) for scoring in args.block_scoring for f in args.fractions]
+        for name, scoring, f in configs:
+            method = GSA(GSAConfig(sparse_ratio=f, block_scoring=scoring))
             summaries = method.new_summaries(nb, kv_heads, dim, kv_cache.device)
 
             def select(method=method, summaries=summaries, md=md, query=query, kv_cache=kv_cache):
@@ -232,9 +242,9 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
                 )
 
             sparse_md = select()  # computes every block's summary once (what decode amortizes)
-            row[f"gsa_{f}"] = {"kept_blocks": math.ceil(int(sparse_md.seq_lens[0]) / bs)}
-            variants[f"gsa_{f}.select"] = select
-            variants[f"gsa_{f}.attend"] = lambda m=sparse_md: attend(m)
+            row[name] = {"kept_blocks": math.ceil(int(sparse_md.seq_lens[0]) / bs)}
+            variants[f"{name}.select"] = select
+            variants[f"{name}.attend"] = lambda m=sparse_md: attend(m)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats + 1):
             for name, fn in variants.items():
@@ -243,9 +253,9 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
                 times[name].append((time.perf_counter() - t0) * 1e3)
         med = {name: statistics.median(t[1:]) for name, t in times.items()}  # round 0 is a warm-up
         row["dense_attend_ms"] = med["dense_attend"]
-        for f in args.fractions:
-            row[f"gsa_{f}"]["select_ms"] = med[f"gsa_{f}.select"]
-            row[f"gsa_{f}"]["attend_ms"] = med[f"gsa_{f}.attend"]
+        for name, _, _ in configs:
+            row[name]["select_ms"] = med[f"{name}.select"]
+            row[name]["attend_ms"] = med[f"{name}.attend"]
         out["contexts"][str(ctx)] = row
         print("kernel", ctx, json.dumps(row), flush=True)
     return out
@@ -257,12 +267,18 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 6144])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.7, 0.5, 0.3, 0.1])
-    parser.add_argument("--block-scoring", default="key_bounds", choices=["key_bounds", "attention", "sparq"])
+    parser.add_argument("--block-scoring", nargs="+", default=["sparq"], choices=["key_bounds", "attention", "sparq"])
     parser.add_argument("--block-size", type=int, default=128, help="vLLM KV block size, a multiple of 32 on CPU")
     parser.add_argument("--no-dense", action="store_true", help="skip the dense engine (same_as_dense then 0)")
     parser.add_argument("--kernel-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--kernel-threads", type=int, default=1)
+    parser.add_argument(
+        "--block-table",
+        default="shuffled",
+        choices=["shuffled", "ascending"],
+        help="the request's block ids in the kernel part: a random permutation, or 0..n-1 (a fresh engine's)",
+    )
     parser.add_argument("--skip-engine", action="store_true", help="only the in-process attention kernel part")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -276,6 +292,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "block_scoring": args.block_scoring,
         "block_size": args.block_size,
+        "block_table": args.block_table,
         "attention_kernel": run_kernel(args),
     }
     if not args.skip_engine:

@@ -208,12 +208,12 @@ class GSAConfig(_Strict):
         4, ge=1, description="Requests with fewer KV blocks than this attend densely (must exceed both windows)."
     )
     block_scoring: Literal["key_bounds", "attention", "sparq"] = Field(
-        "key_bounds",
-        description="How blocks are scored: 'key_bounds' (Quest's upper bound of q.k from per-block key min/max, "
-        "every step), 'attention' (the exact attention mass each block got from the prompt's last "
-        "observation_window queries, refreshed from the current query whenever a request starts a new block) or "
-        "'sparq' (every step, the current query's attention mass approximated from score_channels key components, "
-        "after SparQ Attention).",
+        "sparq",
+        description="How blocks are scored: 'sparq' (every step, the current query's attention mass approximated "
+        "from score_channels key components, after SparQ Attention; the most accurate), 'key_bounds' (Quest's upper "
+        "bound of q.k from per-block key min/max, every step; the cheapest) or 'attention' (the exact attention "
+        "mass each block got from the prompt's last observation_window queries, refreshed from the current query "
+        "whenever a request starts a new block).",
     )
     observation_window: int = Field(
         16, ge=1, description="block_scoring 'attention': prompt tokens whose queries score the blocks at prefill."

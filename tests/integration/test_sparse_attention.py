@@ -129,7 +129,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.
 def test_kernel_over_selection_equals_restricted_dense(dtype: torch.dtype, ratio: float) -> None:
     kv_cache, key_cache, value_cache, query, md, k_all, v_all, isa = _setup(dtype)
     table_before, lens_before = md.block_table.clone(), md.seq_lens.clone()
-    cfg = GSAConfig(sparse_ratio=ratio, init_window_sz=1, local_window_sz=2, min_blocks=4)
+    cfg = GSAConfig(sparse_ratio=ratio, min_blocks=4, block_scoring="key_bounds")  # select_reference's scoring
     method = GSA(cfg)
     summaries = method.new_summaries(NUM_BLOCKS, KV_HEADS, HEAD_DIM, kv_cache.device)
     sparse = sparse_cpu_metadata(method, summaries, md, query, kv_cache, isa=isa, num_heads=HEADS, scale=SCALE)

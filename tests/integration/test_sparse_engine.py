@@ -58,12 +58,13 @@ def runs(tiny_model, prompt, tmp_path_factory) -> dict[str, tuple[RequestResult,
     for name, sparse, env in [
         ("no_plugin", None, NO_PLUGINS),
         ("plugin_off", None, plugin_env()),
-        ("gsa_all_blocks", {"GSA": {"sparse_ratio": 1.0}}, plugin_env()),
-        ("gsa_0.3", {"GSA": {"sparse_ratio": 0.3}}, plugin_env()),
+        ("key_bounds_all_blocks", {"GSA": {"sparse_ratio": 1.0, "block_scoring": "key_bounds"}}, plugin_env()),
+        ("key_bounds_0.3", {"GSA": {"sparse_ratio": 0.3, "block_scoring": "key_bounds"}}, plugin_env()),
         ("attention_all_blocks", {"GSA": {"sparse_ratio": 1.0, "block_scoring": "attention"}}, plugin_env()),
         ("attention_0.3", {"GSA": {"sparse_ratio": 0.3, "block_scoring": "attention"}}, plugin_env()),
-        ("sparq_all_blocks", {"GSA": {"sparse_ratio": 1.0, "block_scoring": "sparq"}}, plugin_env()),
-        ("sparq_0.3", {"GSA": {"sparse_ratio": 0.3, "block_scoring": "sparq"}}, plugin_env()),
+        # block_scoring left out: the default, sparq.
+        ("sparq_all_blocks", {"GSA": {"sparse_ratio": 1.0}}, plugin_env()),
+        ("sparq_0.3", {"GSA": {"sparse_ratio": 0.3}}, plugin_env()),
     ]:
         out[name] = _run(tiny_model, tmp_path_factory.mktemp(name), prompt, sparse, env)
     return out
@@ -77,7 +78,9 @@ def test_plugin_off_is_byte_identical(runs) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["gsa_all_blocks", "attention_all_blocks", "sparq_all_blocks"], ids=["key_bounds", "attention", "sparq"]
+    "name",
+    ["key_bounds_all_blocks", "attention_all_blocks", "sparq_all_blocks"],
+    ids=["key_bounds", "attention", "sparq"],
 )
 def test_all_blocks_equals_dense_exactly(runs, name) -> None:
     dense, sparse = runs["plugin_off"][0], runs[name][0]
@@ -87,7 +90,9 @@ def test_all_blocks_equals_dense_exactly(runs, name) -> None:
     assert sparse.logprobs == dense.logprobs
 
 
-@pytest.mark.parametrize("name", ["gsa_0.3", "attention_0.3", "sparq_0.3"], ids=["key_bounds", "attention", "sparq"])
+@pytest.mark.parametrize(
+    "name", ["key_bounds_0.3", "attention_0.3", "sparq_0.3"], ids=["key_bounds", "attention", "sparq"]
+)
 def test_sparse_reads_fewer_blocks(runs, name) -> None:
     total = -(-PROMPT_TOKENS // BLOCK_SIZE)  # 22 blocks: ceil(0.3 * 22) = 7 kept
     assert f"sparse attention GSA: first decode selection kept 7 of {total} blocks" in runs[name][1]

@@ -34,7 +34,7 @@ def test_loaded_blocks_get_fresh_summaries(tmp_path: Path) -> None:
         worker.wait_for_save(UCMConnectorMetadata(dumps=[BlockTransfer("r0", [key], [2])]))  # block 2 -> store
         worker.shutdown()  # waits for the dump
 
-        method = GSA(GSAConfig())
+        method = GSA(GSAConfig(block_scoring="key_bounds"))
         layer0 = paged_keys(caches["l0"], KVLayout.CPU_ATTN)
         table = method.new_summaries(NUM_BLOCKS, HEADS, DIM, torch.device("cpu"))
         five, full = torch.tensor([5]), torch.tensor([BLOCK_SIZE])

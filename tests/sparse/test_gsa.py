@@ -17,10 +17,11 @@ NUM_BLOCKS = 61
 # (num_kv_heads, num_heads, head_dim, block_size): SmolLM2's heads, a 4-way GQA with odd head_dim, MHA.
 SHAPES = [(3, 9, 64, 32), (2, 8, 40, 48), (4, 4, 32, 16)]
 SHAPE_IDS = [f"kv{h}-q{hq}-d{d}-bs{bs}" for h, hq, d, bs in SHAPES]
+# Key-bounds scoring (the oracle ``select_reference`` computes it); the sparq tests below switch the scoring.
 CONFIGS = [
-    GSAConfig(sparse_ratio=0.3),
-    GSAConfig(sparse_ratio=0.5, init_window_sz=2, local_window_sz=3, min_blocks=8),
-    GSAConfig(sparse_ratio=0.1, init_window_sz=0, local_window_sz=1, min_blocks=2),
+    GSAConfig(sparse_ratio=0.3, block_scoring="key_bounds"),
+    GSAConfig(sparse_ratio=0.5, init_window_sz=2, local_window_sz=3, min_blocks=8, block_scoring="key_bounds"),
+    GSAConfig(sparse_ratio=0.1, init_window_sz=0, local_window_sz=1, min_blocks=2, block_scoring="key_bounds"),
 ]
 CONFIG_IDS = ["r0.3", "r0.5-w2-3-min8", "r0.1-w0-1-min2"]
 
@@ -71,7 +72,7 @@ def test_windows_always_kept_and_best_block_found() -> None:
     q[0, :, : d // 2] = 1.0
     keys[needle_block, 0, needle_tok, : d // 2] = 4.0
     table = torch.arange(n, dtype=torch.int32)[None]
-    cfg = GSAConfig(sparse_ratio=0.34, init_window_sz=1, local_window_sz=2, min_blocks=4)  # keep 5 of 12
+    cfg = GSAConfig(sparse_ratio=0.34, min_blocks=4, block_scoring="key_bounds")  # keep 5 of 12
     method = GSA(cfg)
     sel = method.select(
         q, keys, method.new_summaries(n, h, d, torch.device("cpu")), table, torch.tensor([n * bs]), 0.25
@@ -125,7 +126,7 @@ def test_summaries_follow_writes_and_loads() -> None:
     the request's token count in a block changes; fresh ones are not."""
     h, d, bs = 2, 8, 4
     keys = torch.randn((6, h, bs, d))
-    method = GSA(GSAConfig())
+    method = GSA(GSAConfig(block_scoring="key_bounds"))
     table = method.new_summaries(6, h, d, torch.device("cpu"))
     ids = torch.tensor([1, 4], dtype=torch.int64)
     full = torch.tensor([bs, bs])

@@ -24,7 +24,7 @@ def test_gsa_defaults_filled_in() -> None:
             "init_window_sz": 1,
             "local_window_sz": 2,
             "min_blocks": 4,
-            "block_scoring": "key_bounds",
+            "block_scoring": "sparq",
             "observation_window": 16,
             "score_channels": 16,
         }

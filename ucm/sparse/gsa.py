@@ -1,10 +1,15 @@
-"""GSA: block-sparse decode attention with per-block key bounds (training-free).
+"""GSA: block-sparse decode attention (training-free): score the request's KV blocks against the decode query, attend
+to the best ones plus sink and recent blocks.
 
-Summaries. Per KV block and KV head, the element-wise min and max of the block's (post-RoPE) keys, as in Quest
-(Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"). Chosen over the mean
-key because it gives a true upper bound of ``q . k`` for every key in the block (a block with one strongly matching
-key, a "needle", cannot hide behind its average), costs two vectors per block and head, and is exact to update (min
-and max do not round). Computed by ``ucm.kernels.block_summaries``.
+Three scorings (``block_scoring``): ``sparq``, the default (the current query's attention mass approximated from a
+few key components, every step; described last below), ``key_bounds`` (Quest's bounds, described first: the base
+of the method and the cheapest) and ``attention`` (measured attention, refreshed once per block).
+
+Summaries (``key_bounds``). Per KV block and KV head, the element-wise min and max of the block's (post-RoPE) keys,
+as in Quest (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"). Chosen over
+the mean key because it gives a true upper bound of ``q . k`` for every key in the block (a block with one strongly
+matching key, a "needle", cannot hide behind its average), costs two vectors per block and head, and is exact to
+update (min and max do not round). Computed by ``ucm.kernels.block_summaries``.
 
 Selection at decode, per request and layer (one block set for all heads of the layer, since a paged-attention
 kernel takes one block table per request):
@@ -32,15 +37,16 @@ kept the wrong document's block far more often than measured attention did (``be
 Cost: one pass of q.k over the request's keys per layer per ``block_size`` decode steps, and over the last
 ``observation_window`` prompt queries at prefill.
 
-Scoring ``block_scoring: sparq`` replaces steps 1-2 by the current query's attention mass, approximated at every
-step from ``score_channels`` of the ``head_dim`` key components per KV head (those where the query heads sharing
-the KV head have the largest ``|q|``), with the softmax temperature corrected for the dropped components: steps
-1-2 of SparQ Attention (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference"), summed per
-block (:func:`sparq_scores`; the kernels are ``ucm.kernels.sparq_scores``). Nothing is precomputed
-(:class:`KeyChannels`). Why: on the harness's multi-document questions at 32-token blocks, only a ranking from each
-step's own query matched dense at 70% of blocks skipped; scores reused for 4 or more steps, or taken from the
-prompt's last queries, lost answers (``benchmarks/sparse_policies.py``). Cost: every step and layer reads
-``score_channels / head_dim`` of every key of the request (on top of the kept blocks' full K and V).
+Scoring ``block_scoring: sparq`` (the default) replaces steps 1-2 by the current query's attention mass,
+approximated at every step from ``score_channels`` of the ``head_dim`` key components per KV head (those where the
+query heads sharing the KV head have the largest ``|q|``), with the softmax temperature corrected for the dropped
+components: steps 1-2 of SparQ Attention (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference"),
+summed per block (:func:`sparq_scores`; the kernels are ``ucm.kernels.sparq_scores``). Nothing is precomputed
+(:class:`KeyChannels`). Why: on the harness's multi-document questions, only a ranking from each step's own query
+matched dense at 70% of blocks skipped (at 32-token blocks; at 128-token blocks it matched the exact-mass oracle,
+and key bounds lost most answers); scores reused for 4 or more steps, or taken from the prompt's last queries, lost
+answers (``benchmarks/sparse_policies.py``). Cost: every step and layer reads ``score_channels / head_dim`` of every
+key of the request (on top of the kept blocks' full K and V).
 """
 
 from __future__ import annotations
