@@ -190,6 +190,9 @@ def sparq_scores(
         block_table: int ``[R, W]`` the requests' blocks in token order; seq_lens: int ``[R]`` tokens per row.
         scale: the attention's softmax scale; channels: key components read per KV head (``head_dim``: exact).
         impl: ``"auto"``, ``"triton"``, ``"torch"`` or ``"reference"`` (the kernel's test oracle).
+
+    Raises:
+        ValueError: bad shapes, dtypes or devices, or an unknown ``impl`` (from ``sparq_block_lse``).
     """
     q_r, idx = sparq_query(query, keys.shape[1], channels, scale)
     if impl == "reference":
