@@ -164,9 +164,9 @@ def _lse_torch(
         k = keys[ids[:, None, None, :], heads[None, :, None, None], :, channels[..., None]].reshape(r, h, c, w * bs)
     logits = torch.matmul(q.view(r, h, hq // h, c), k.float())  # [R, H, G, W * block_size]
     # Tokens past each row's length: only from the shortest row's last block on (a row's earlier blocks are full).
-    start = (int(n.min()) - 1) * bs if r else 0
-    past = torch.arange(max(start, 0), w * bs, device=q.device)[None, :] >= seq_lens[:, None].long()
-    logits[..., max(start, 0) :].masked_fill_(past[:, None, None, :], float("-inf"))
+    start = max(int(n.min()) - 1, 0) * bs if r else 0
+    past = torch.arange(start, w * bs, device=q.device)[None, :] >= seq_lens[:, None].long()
+    logits[..., start:].masked_fill_(past[:, None, None, :], float("-inf"))
     return torch.logsumexp(logits.view(r, hq, w, bs), dim=-1)
 
 
