@@ -17,7 +17,7 @@ lets a GPU program finish a block in one pass.
 Keys are read in place from vLLM's paged cache (a strided view ``[num_blocks, num_kv_heads, block_size,
 head_dim]``). In the CPU_ATTN layout a block's keys are stored transposed, so one component of one block is one
 contiguous run of ``block_size`` values: the CPU path gathers exactly those runs (``index_select`` over rows of a 2-D
-view of the cache) and multiplies them with one batched matmul.
+view of the cache, in ascending block id order) and multiplies them with one batched matmul.
 
 The sum over components is an fp32 reduction whose order differs between implementations; results agree to fp32
 rounding (tests use a tolerance), not bit for bit.
@@ -150,9 +150,16 @@ def _lse_torch(
     r, hq, c = q.shape
     _, h, bs, _ = keys.shape
     w = block_table.shape[1]
+    cols = torch.arange(w, device=q.device)
     n = torch.div(seq_lens.long() + bs - 1, bs, rounding_mode="floor")
-    inside = torch.arange(w, device=q.device)[None, :] < n[:, None]  # [R, W]
+    inside = cols[None, :] < n[:, None]  # [R, W]
     ids = torch.where(inside, block_table.long(), 0)  # unused entries may hold anything; read block 0 instead
+    # Gather in ascending block id (memory) order: the hardware prefetchers then follow the reads (a shuffled
+    # table, as a long-running engine's, otherwise makes every run a cache miss: ~3x slower here). ``pos[r, i]``:
+    # where block ``w`` of row ``r`` lands in that order.
+    order = ids.argsort(dim=1)
+    ids = ids.gather(1, order)
+    pos = torch.empty_like(order).scatter_(1, order, cols.expand(r, w).contiguous())
     heads = torch.arange(h, device=q.device)
     rows = _key_rows(keys)
     if rows is not None:
@@ -162,12 +169,17 @@ def _lse_torch(
         k = rows.index_select(0, row_ids.flatten()).view(r, h, c, w * bs)
     else:  # any other layout: advanced indexing gives [R, H, C, W, block_size]
         k = keys[ids[:, None, None, :], heads[None, :, None, None], :, channels[..., None]].reshape(r, h, c, w * bs)
-    logits = torch.matmul(q.view(r, h, hq // h, c), k.float())  # [R, H, G, W * block_size]
-    # Tokens past each row's length: only from the shortest row's last block on (a row's earlier blocks are full).
-    start = max(int(n.min()) - 1, 0) * bs if r else 0
-    past = torch.arange(start, w * bs, device=q.device)[None, :] >= seq_lens[:, None].long()
-    logits[..., start:].masked_fill_(past[:, None, None, :], float("-inf"))
-    return torch.logsumexp(logits.view(r, hq, w, bs), dim=-1)
+    logits = torch.matmul(q.view(r, h, hq // h, c), k.float()).view(r, hq, w, bs)  # blocks in gather order
+    lse = torch.logsumexp(logits, dim=-1)  # [R, HQ, W]
+    # Only a row's last block can hold tokens past its length: redo that block with them masked.
+    every = torch.arange(r, device=q.device)
+    last = (n - 1).clamp(min=0)
+    col = pos.gather(1, last[:, None])[:, 0]  # [R]: the last block's place in gather order
+    tail = logits[every, :, col]  # [R, HQ, block_size]
+    past = torch.arange(bs, device=q.device)[None, :] >= (seq_lens.long() - last * bs)[:, None]  # [R, bs]
+    lse[every, :, col] = torch.logsumexp(tail.masked_fill(past[:, None, :], float("-inf")), dim=-1)
+    out = lse.gather(2, pos[:, None, :].expand(r, hq, w))  # back to block table order
+    return out.masked_fill_(~inside[:, None, :], float("-inf"))
 
 
 @triton.jit
