@@ -277,6 +277,33 @@ def test_capacity_bool_is_not_a_number() -> None:
     assert "cache_buffer_capacity_gb" in config_error(store_cfg(cache_buffer_capacity_gb=True))
 
 
+def test_cache_prefault_defaults_off_and_accepts_up_to_the_capacity() -> None:
+    assert UcmPipelineStoreConfig().cache_prefault_bytes == 0
+    cfg = parse_config(store_cfg(cache_buffer_capacity_gb=2, cache_prefault_gb=2)).store
+    assert cfg.cache_prefault_gb == 2.0 and cfg.cache_prefault_bytes == 2 * GIB  # a YAML int is taken as float
+    assert parse_config(store_cfg(store_pipeline="Cache|Compress|Posix", cache_prefault_gb=0.5)).store.cache_prefault_gb
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected"),
+    [
+        ({"cache_prefault_gb": -1}, "greater than or equal to 0"),
+        (
+            {"cache_buffer_capacity_gb": 1, "cache_prefault_gb": 1.5},
+            "cache_prefault_gb 1.5 exceeds cache_buffer_capacity_gb 1.0; allowed: 0 to 1.0",
+        ),
+        (
+            {"store_pipeline": "Posix", "cache_prefault_gb": 1},
+            "cache_prefault_gb 1.0 needs a Cache stage; store_pipeline is 'Posix'",
+        ),
+    ],
+    ids=["negative", "above-capacity", "no-cache-stage"],
+)
+def test_cache_prefault_errors(cfg: dict[str, Any], expected: str) -> None:
+    msg = config_error(store_cfg(**cfg))
+    assert "cache_prefault_gb" in msg and expected in msg
+
+
 @pytest.mark.parametrize("n", [0, 2], ids=["none", "two"])
 def test_exactly_one_connector(n: int) -> None:
     msg = config_error({"ucm_connectors": [{} for _ in range(n)]})

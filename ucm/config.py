@@ -62,6 +62,13 @@ class UcmPipelineStoreConfig(_Strict):
     cache_buffer_capacity_gb: float = Field(
         4.0, gt=0, description="Cache stage: DRAM capacity in GiB (LRU; blocks in use are never evicted)."
     )
+    cache_prefault_gb: float = Field(
+        0.0,
+        ge=0,
+        description="Cache stage: GiB of DRAM slots allocated and written once at start, in a background thread, "
+        "so that the first blocks cached after a start (a restart's storage hits) do not pay first-touch page "
+        "faults; at most cache_buffer_capacity_gb. 0 = slots are allocated when first needed.",
+    )
     io_direct: bool = Field(
         False,
         description="Posix stage: O_DIRECT reads and writes (bypass the page cache); checked at start, refused "
@@ -103,7 +110,7 @@ class UcmPipelineStoreConfig(_Strict):
         description="Compress stage: encode threads, and the most blocks decoded at once. Needs a Compress stage.",
     )
 
-    @field_validator("cache_buffer_capacity_gb", "posix_capacity_gb", mode="before")
+    @field_validator("cache_buffer_capacity_gb", "cache_prefault_gb", "posix_capacity_gb", mode="before")
     @classmethod
     def _int_is_float(cls, value: Any) -> Any:
         # YAML writes 64 as an int; strict mode would refuse it for a float field.
@@ -140,6 +147,20 @@ class UcmPipelineStoreConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _prefault_fits_the_cache(self) -> UcmPipelineStoreConfig:
+        if self.cache_prefault_gb > 0 and "Cache" not in self.store_pipeline.split("|"):
+            raise ValueError(
+                f"cache_prefault_gb {self.cache_prefault_gb} needs a Cache stage; store_pipeline is "
+                f"{self.store_pipeline!r}: use 'Cache|Posix' or 'Cache|Compress|Posix', or leave cache_prefault_gb 0"
+            )
+        if self.cache_prefault_gb > self.cache_buffer_capacity_gb:
+            raise ValueError(
+                f"cache_prefault_gb {self.cache_prefault_gb} exceeds cache_buffer_capacity_gb "
+                f"{self.cache_buffer_capacity_gb}; allowed: 0 to {self.cache_buffer_capacity_gb}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _compress_settings(self) -> UcmPipelineStoreConfig:
         if self.data_type not in DATA_TYPES:
             raise ValueError(f"data_type {self.data_type!r} is not supported; allowed: 0 (bf16)")
@@ -172,6 +193,11 @@ class UcmPipelineStoreConfig(_Strict):
     def cache_buffer_capacity_bytes(self) -> int:
         """``cache_buffer_capacity_gb`` in bytes (GiB = 2**30 bytes)."""
         return int(self.cache_buffer_capacity_gb * GIB)
+
+    @property
+    def cache_prefault_bytes(self) -> int:
+        """``cache_prefault_gb`` in bytes (GiB = 2**30 bytes)."""
+        return int(self.cache_prefault_gb * GIB)
 
 
 class UcmConnectorEntry(_Strict):

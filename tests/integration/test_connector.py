@@ -8,6 +8,7 @@ compared exactly. Hit counts come from UCM's per-request log line.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -24,6 +25,7 @@ BLOCK_SIZE = 128  # vLLM's CPU default
 P1_TOKENS = 600  # 4 full blocks + a partial one
 P2_EXTRA_TOKENS = 200  # P2 = P1 + more text: 800 tokens, 6 full blocks, the first 4 shared with P1
 MAX_TOKENS = 12
+PREFAULT_GB = 0.01  # cache_prefault_gb of the restarted engine
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +95,10 @@ def restarted(tiny_model, store, prompts, cold) -> tuple[list[RequestResult], li
     # vLLM's own process layout (a separate engine-core process, as LLM(...) and `vllm serve` run by default);
     # the other engines here run it in-process (ucm.testing.engine), so outputs are also compared across the two.
     spec["engine_core_process"] = True
+    # Its Cache stage prefaults slots at start: the restart's hits are promoted into those.
+    spec["connector"]["kv_connector_extra_config"]["ucm_connectors"][0]["ucm_connector_config"]["cache_prefault_gb"] = (
+        PREFAULT_GB
+    )
     results, stderr = run_engine(spec)
     thread.join()
     return results, second["results"], stderr
@@ -112,6 +118,10 @@ def test_restart_loads_prefix_and_output_is_identical(cold, restarted):
     assert failed_loads(stderr) == 0  # the hits below were really loaded, not recomputed after a failed load
     assert results[0].hit_external == 4 and results[0].hit_hbm == 0
     assert_same_output(results[0], cold[0])
+    prefaulted = re.findall(r"Cache stage: prefaulted (\d+) slots of (\d+) bytes", stderr)
+    assert len(prefaulted) == 1, stderr[-3000:]  # the worker's store only (the scheduler's is not prepared)
+    count, nbytes = int(prefaulted[0][0]), int(prefaulted[0][1])
+    assert count == int(PREFAULT_GB * 2**30) // nbytes > 0
     if len(os.sched_getaffinity(0)) > 1:  # vLLM binds the worker's main thread to one core; UCM's threads are not
         assert "[UC][I] UCM threads run on CPUs 0-" in stderr
 

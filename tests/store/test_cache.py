@@ -574,3 +574,82 @@ def test_concurrent_loads_and_dumps_over_posix_are_bit_exact(tmp_path: Path, siz
         dst = poisoned(1, size_of[key])
         assert cache.wait(cache.load([key], dst)).ok and torch.equal(dst[0], blocks[key])
     cache.close()
+
+
+class PreparedStore(DictStore):
+    """A stage below that records :meth:`prepare` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[int] = []
+
+    def prepare(self, block_nbytes: int) -> None:
+        self.prepared.append(block_nbytes)
+
+
+def free_ptrs(cache: CacheStore, nbytes: int) -> set[int]:
+    return {slot.data_ptr() for slot in cache._free.get(nbytes, [])}
+
+
+def test_prefault_fills_free_slots_that_blocks_then_use() -> None:
+    inner = PreparedStore()
+    cache = CacheStore(inner, 10 * NBYTES + 50, prefault_bytes=4 * NBYTES + 99)
+    assert cache.slot_bytes == 0  # nothing allocated before prepare: the block size is not known yet
+    cache.prepare(NBYTES)
+    assert inner.prepared == [NBYTES]  # passed down
+    assert cache._prefault_thread is not None
+    cache._prefault_thread.join(timeout=10)
+    prefaulted = free_ptrs(cache, NBYTES)
+    assert len(prefaulted) == 4 and cache.usage() == (0, 4 * NBYTES)
+    assert all(not bool(slot.any()) for slot in cache._free[NBYTES])  # written (zeros): every page touched
+    cache.prepare(NBYTES)  # once per store
+    cache._prefault_thread.join(timeout=10)
+    assert cache.slot_bytes == 4 * NBYTES
+    # Dumps and read-through promotions take the prefaulted slots before allocating new ones.
+    keys = make_keys(6, seed=90)
+    src = make_blocks(6, NBYTES, seed=91)
+    assert cache.wait(cache.dump(keys[:3], src[:3])).ok
+    inner.blocks[keys[3]] = src[3].clone()
+    dst = poisoned(1, NBYTES)
+    assert cache.wait(cache.load(keys[3:4], dst)).ok and torch.equal(dst[0], src[3])
+    cache.flush()
+    assert slot_ptrs(cache) == prefaulted and cache.usage() == (4 * NBYTES, 4 * NBYTES)
+    assert cache.wait(cache.dump(keys[4:], src[4:])).ok  # past the prefaulted slots: new ones
+    assert cache.usage() == (6 * NBYTES, 6 * NBYTES)
+    dst = poisoned(6, NBYTES)
+    assert cache.wait(cache.load(keys, dst)).ok and torch.equal(dst, src)
+    cache.close()
+
+
+def test_prefault_stays_within_capacity_and_stops_at_close() -> None:
+    cache = CacheStore(None, 5 * NBYTES, prefault_bytes=5 * NBYTES)
+    keys = make_keys(3, seed=92)
+    assert cache.wait(cache.dump(keys, make_blocks(3, NBYTES, seed=93))).ok
+    cache.prepare(NBYTES)
+    cache._prefault_thread.join(timeout=10)
+    assert cache.usage() == (3 * NBYTES, 5 * NBYTES)  # only room for 2 more: no block was evicted for them
+    assert cache.cached_keys() == keys
+    cache.close()
+    # close stops a prefault in progress and joins its thread; prepare after close starts none
+    big = 1 << 20
+    cache = CacheStore(None, 1024 * big, prefault_bytes=1024 * big)
+    cache.prepare(big)
+    cache.close()
+    assert cache._prefault_thread is not None and not cache._prefault_thread.is_alive()
+    assert cache.slot_bytes < 1024 * big
+    closed = CacheStore(None, 4 * NBYTES, prefault_bytes=4 * NBYTES)
+    closed.close()
+    closed.prepare(NBYTES)
+    assert closed._prefault_thread is None and closed.slot_bytes == 0
+
+
+def test_prefault_arguments_are_checked() -> None:
+    for bad in (-1, 3 * NBYTES + 1):
+        with pytest.raises(ValueError, match=r"prefault_bytes must lie in \[0, capacity_bytes = 300\]"):
+            CacheStore(None, 3 * NBYTES, prefault_bytes=bad)
+    cache = CacheStore(None, 3 * NBYTES, prefault_bytes=3 * NBYTES)
+    with pytest.raises(ValueError, match="block_nbytes must be >= 1, got 0"):
+        cache.prepare(0)
+    cache.prepare(4 * NBYTES)  # a block larger than the prefault: nothing to do
+    assert cache._prefault_thread is None
+    cache.close()

@@ -344,6 +344,11 @@ class UcmKVStoreBase(abc.ABC):
         and ``info`` (JSON-serializable fields naming it: model, dtype, block_size...), for operators' tools.
         Stages that keep nothing per namespace ignore it; stages over another stage pass it down."""
 
+    def prepare(self, block_nbytes: int) -> None:  # noqa: B027 - optional hook
+        """Get ready for blocks of ``block_nbytes`` bytes (the connector calls it once it knows its KV layout, before
+        the first load or dump; other sizes still work). Returns at once; work it starts runs in the background.
+        Stages that need nothing ignore it; stages over another stage pass it down."""
+
     def flush(self) -> None:  # noqa: B027 - optional hook, a no-op for stages without background work
         """Block until all background work (write-backs) started so far is finished."""
 

@@ -69,7 +69,7 @@ def build_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -
             )
         elif stage == "Cache":
             _warn_if_larger_than_memory(config.cache_buffer_capacity_bytes)
-            store = CacheStore(store, config.cache_buffer_capacity_bytes)
+            store = CacheStore(store, config.cache_buffer_capacity_bytes, config.cache_prefault_bytes)
         else:  # pragma: no cover - refused by the schema
             raise ValueError(f"unknown store stage {stage!r}; allowed: Cache, Compress, Posix")
     assert store is not None

@@ -117,6 +117,7 @@ class UCMWorker:
         self._layout = self._layout_fn(self._kv_caches[0])
         t0 = time.perf_counter()
         warm_up(self._kv_caches, self._layout)  # the kernels' first-call cost (numba on CPU: ~1 s), not on a TTFT
+        self._store.prepare(self._spec.block_nbytes)  # e.g. the Cache stage's cache_prefault_gb
         logger.info(
             "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block, %s transfer (kernels ready "
             "in %.0f ms)",
