@@ -653,3 +653,16 @@ def test_prefault_arguments_are_checked() -> None:
     cache.prepare(4 * NBYTES)  # a block larger than the prefault: nothing to do
     assert cache._prefault_thread is None
     cache.close()
+
+
+def test_prepare_reaches_every_stage_of_a_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucm.config import UcmPipelineStoreConfig
+    from ucm.store.pipeline import build_store
+
+    seen: list[int] = []
+    monkeypatch.setattr(PosixStore, "prepare", lambda self, block_nbytes: seen.append(block_nbytes), raising=False)
+    for pipeline in ("Cache|Posix", "Cache|Compress|Posix"):
+        store = build_store(UcmPipelineStoreConfig(store_pipeline=pipeline, storage_backends=str(tmp_path)))
+        store.prepare(3 * NBYTES)
+        store.close()
+    assert seen == [3 * NBYTES, 3 * NBYTES]

@@ -155,7 +155,7 @@ def _lse_torch(
     inside = cols[None, :] < n[:, None]  # [R, W]
     ids = torch.where(inside, block_table.long(), 0)  # unused entries may hold anything; read block 0 instead
     # Gather in ascending block id (memory) order: the hardware prefetchers then follow the reads (a shuffled
-    # table, as a long-running engine's, otherwise makes every run a cache miss: ~3x slower here). ``pos[r, i]``:
+    # table, as a long-running engine's, otherwise makes every run a cache miss: ~3x slower here). ``pos[r, w]``:
     # where block ``w`` of row ``r`` lands in that order.
     order = ids.argsort(dim=1)
     ids = ids.gather(1, order)

@@ -390,7 +390,7 @@ class CacheStore(UcmKVStoreBase):
             if self._closed or self._prefault_bytes < block_nbytes or self._prefault_thread is not None:
                 return
             self._prefault_thread = daemon_thread(functools.partial(self._prefault, block_nbytes), "ucm-cache-prefault")
-        self._prefault_thread.start()
+            self._prefault_thread.start()  # under the lock: close() never sees a thread it cannot join
 
     def _prefault(self, nbytes: int) -> None:
         """Allocate, write and free ``prefault_bytes // nbytes`` slots of ``nbytes`` (fewer when the cache fills)."""

@@ -195,6 +195,10 @@ class CompressStore(UcmKVStoreBase):
                 self._passthrough = None
         self._inner.set_namespace(tag, info)
 
+    def prepare(self, block_nbytes: int) -> None:
+        """Pass the block size down (this stage's buffers are per stored block, sized as they come)."""
+        self._inner.prepare(block_nbytes)
+
     def flush(self) -> None:
         """Wait for the tasks started so far, then for the stage below."""
         with self._lock:
