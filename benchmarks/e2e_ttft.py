@@ -9,6 +9,15 @@ engine is a fresh process (``ucm.testing.engine.run_engine``) that runs its requ
 request is a short unrelated warm-up (~50 tokens, ignored) that pays the one-time costs of a new process. All
 timed requests ask for 1 token; the same real-text prompt of ``--prompt-tokens`` tokens is used throughout.
 
+Process layout (``--engine-core``). ``process`` (the default) is vLLM's own: ``LLM`` in the engine's process, the
+engine core in a second one and, on vLLM's CPU platform (which replaces the one-process ``uni`` executor by ``mp``),
+the model worker, where UCM's connector and I/O threads run, in a third. While the worker runs a step, the engine
+core waits for its answer on vLLM's shared-memory queue by spinning (``SpinCondition``, up to 1 s), which keeps one
+CPU core busy: on a 2-core machine UCM's I/O and decode threads then share the other core with the forward pass.
+``inproc`` runs the engine core and the worker in the engine's main process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+so vLLM keeps the ``uni`` executor, which GPU deployments with one rank use too): nothing spins. Every phase of a
+run uses the same layout.
+
 - ``recompute_ms``: no connector, vLLM prefix caching off; median of the ``--repeats`` runs of the prompt that follow
   its first run.
 - ``inmemory_hit_ms``: no connector, prefix caching on; the prompt 1 + r times in one process, median of the r
@@ -56,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -179,8 +189,11 @@ def run_phase(
     prefix_caching: bool,
     requests: list[dict[str, Any]],
     log_dir: Path,
+    engine_core_process: bool = True,
 ) -> Phase:
-    """Run the warm-up request then ``requests`` in a fresh engine process; errors are recorded, not raised."""
+    """Run the warm-up request then ``requests`` in a fresh engine process; errors are recorded, not raised.
+
+    ``engine_core_process``: vLLM's own layout (``--engine-core process``), else ``inproc``."""
     spec = {
         "model": str(model),
         "dtype": "bfloat16",
@@ -188,7 +201,7 @@ def run_phase(
         "enable_prefix_caching": prefix_caching,
         "connector": connector,
         "requests": [request(WARMUP_PROMPT), *requests],
-        "engine_core_process": True,  # vLLM's own layout: TTFT as a deployment sees it
+        "engine_core_process": engine_core_process,
     }
     phase = Phase(name)
     log_path = log_dir / f"{name}.log"
@@ -325,6 +338,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "restart and share only a prefix with a stored prompt, which ExampleConnector cannot serve; "
         "--fill-turns equal to --turns makes every turn a whole-prompt repeat)",
     )
+    p.add_argument(
+        "--engine-core",
+        choices=("process", "inproc"),
+        default="process",
+        help="process (default): vLLM's own layout, engine core and, on CPU, the model worker each in a process of "
+        "their own; inproc: both in the engine's main process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with no process "
+        "spin-waiting on the worker (see the module doc)",
+    )
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
     p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
     args = p.parse_args(argv)
@@ -337,6 +358,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    run = functools.partial(run_phase, engine_core_process=args.engine_core == "process")
     t_start = time.perf_counter()
     load_start = round(os.getloadavg()[0], 2)
     model = ensure_smollm2(args.models_dir)
@@ -359,18 +381,18 @@ def main(argv: list[str] | None = None) -> int:
         d.mkdir()
     try:
         # 1 + 4 (without UCM): recompute; its first run of the prompt is the cold run without UCM.
-        recompute = run_phase("recompute", model, None, False, [*timed, answer], log_dir)
+        recompute = run("recompute", model, None, False, [*timed, answer], log_dir)
         # 2: vLLM's own in-memory prefix cache.
-        inmem = run_phase("inmemory_hit", model, None, True, [*timed, request(main_prompt, ANSWER_TOKENS)], log_dir)
+        inmem = run("inmemory_hit", model, None, True, [*timed, request(main_prompt, ANSWER_TOKENS)], log_dir)
         # 3 + 4 (with UCM) + 7 (fill): fresh store, vLLM prefix caching off, so repeats are served by UCM's DRAM tier.
-        ucm_fill = run_phase("ucm_fill", model, ucm_connector(ucm_store), False, [*timed, answer, *turns_fill], log_dir)
+        ucm_fill = run("ucm_fill", model, ucm_connector(ucm_store), False, [*timed, answer, *turns_fill], log_dir)
         # 6 + 7 (fill): ExampleConnector writes its files.
-        ex_fill = run_phase(
+        ex_fill = run(
             "example_fill", model, example_connector(example_store), True, [request(main_prompt), *turns_fill], log_dir
         )
         # 5 with KVfold: a fresh Cache|Compress|Posix store.
         compressed = ucm_connector(compress_store, "Cache|Compress|Posix")
-        zfill = run_phase("ucm_compress_fill", model, compressed, True, [request(main_prompt), answer], log_dir)
+        zfill = run("ucm_compress_fill", model, compressed, True, [request(main_prompt), answer], log_dir)
         # 5 + 6 + 7: restarts, page cache dropped before each process starts.
         dropped: list[bool] = []
         ucm_restarts: list[Phase] = []
@@ -381,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             first = k == 0
             dropped.append(drop_page_cache())
             ucm_restarts.append(
-                run_phase(
+                run(
                     f"ucm_restart{k}",
                     model,
                     ucm_connector(ucm_store),
@@ -392,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             dropped.append(drop_page_cache())
             lw_restarts.append(
-                run_phase(
+                run(
                     f"ucm_layerwise_restart{k}",
                     model,
                     ucm_connector(ucm_store, layerwise=True),
@@ -403,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             dropped.append(drop_page_cache())
             z_restarts.append(
-                run_phase(
+                run(
                     f"ucm_compress_restart{k}",
                     model,
                     compressed,
@@ -414,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             dropped.append(drop_page_cache())
             ex_restarts.append(
-                run_phase(
+                run(
                     f"example_restart{k}",
                     model,
                     example_connector(example_store),
@@ -554,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         "outputs_inmemory_equal_recompute": inmem_equal,
         "repeats": r,
         "restarts": args.restarts,
+        "engine_core": args.engine_core,
         "engine_seconds": {p.name: round(p.seconds, 1) for p in all_phases},
         "raw_ttft_ms": {p.name: raw_ttfts(p) for p in all_phases},
         "problems": problems,

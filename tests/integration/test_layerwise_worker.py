@@ -3,11 +3,13 @@
 Shows what the engine tests cannot see from outside: ``start_load_kv`` returns before the data is in,
 ``wait_for_layer_load`` writes a layer only once its shard has arrived (later layers are held back by holding the
 store's reads, as a slow disk would), a damaged block is reported after its layers were scattered, and a layerwise
-dump writes the same files as a blockwise one, also when vLLM skips ``save_kv_layer`` for a layer.
+dump writes the same files as a blockwise one, also when vLLM skips ``save_kv_layer`` for a layer. Also the load
+staging buffer both modes share: paged in at registration, grown by a larger load.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import torch
 
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
-from ucm.integration.vllm.worker import UCMWorker
+from ucm.integration.vllm.worker import LOAD_BUFFER_MAX_BYTES, UCMWorker, load_buffer_blocks
 from ucm.kernels.layouts import KVLayout
 from ucm.store import posix as posix_module
 from ucm.store.posix import PosixStore
@@ -37,9 +39,14 @@ def _caches(seed: int | None) -> dict[str, torch.Tensor]:
     }
 
 
-def _worker(store: PosixStore, caches: dict[str, torch.Tensor], layerwise: bool) -> UCMWorker:
+SPEC = KVSpec(LAYERS, BLOCK_SIZE, HEADS, DIM, torch.bfloat16)
+
+
+def _worker(
+    store: PosixStore, caches: dict[str, torch.Tensor], layerwise: bool, load_buffer_blocks: int = 16
+) -> UCMWorker:
     worker = UCMWorker(
-        KVSpec(LAYERS, BLOCK_SIZE, HEADS, DIM, torch.bfloat16), store, lambda _c: KVLayout.CPU_ATTN, layerwise=layerwise
+        SPEC, store, lambda _c: KVLayout.CPU_ATTN, layerwise=layerwise, load_buffer_blocks=load_buffer_blocks
     )
     worker.register_kv_caches(caches)
     return worker
@@ -122,4 +129,58 @@ def test_layerwise_dump_writes_the_blockwise_files(filled, tmp_path, skipped) ->
     worker.shutdown()
     for key in KEYS:
         assert Path(store.block_path(key)).read_bytes() == Path(blockwise.block_path(key)).read_bytes()
+    store.close()
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (bytes), from ``/proc/self/statm``."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_load_buffer_is_paged_in_at_registration(tmp_path) -> None:
+    blocks = -(-(64 << 20) // SPEC.block_nbytes)  # 64 MiB: far above what allocator noise could move
+    store = PosixStore(str(tmp_path / "kv"))
+    caches = _caches(seed=0)
+    _worker(store, caches, layerwise=False, load_buffer_blocks=1).shutdown()  # imports and kernels: resident now
+    before = _resident_bytes()
+    worker = _worker(store, caches, layerwise=False, load_buffer_blocks=blocks)
+    grown = _resident_bytes() - before
+    assert grown >= 0.9 * blocks * SPEC.block_nbytes, f"only {grown} bytes became resident"
+    worker.shutdown()
+    store.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["blockwise", "layerwise"])
+@pytest.mark.parametrize("buffer_blocks", [1, 4], ids=["load_grows_buffer", "load_fits_buffer"])
+def test_loads_use_or_grow_the_load_buffer(filled, layerwise, buffer_blocks) -> None:
+    store, source = filled
+    caches = _caches(seed=None)
+    worker = _worker(store, caches, layerwise=layerwise, load_buffer_blocks=buffer_blocks)
+    paged_in = worker._load_buffer
+    assert paged_in is not None and paged_in.shape[0] == buffer_blocks
+    meta = UCMConnectorMetadata(loads=[BlockTransfer("r1", KEYS, TARGET_IDS)])
+    worker.start_load_kv(meta)
+    for n in LAYERS:
+        worker.wait_for_layer_load(n)
+    worker.wait_for_save(meta)
+    assert all(_written(caches, n, TARGET_IDS, source) for n in LAYERS)
+    fits = buffer_blocks >= len(KEYS)
+    assert (worker._load_buffer.data_ptr() == paged_in.data_ptr()) == fits  # reused when the load fits
+    assert worker._load_buffer.shape[0] == max(buffer_blocks, len(KEYS))
+    worker.shutdown()
+
+
+def test_load_buffer_blocks_one_request_capped_at_1_gib() -> None:
+    assert load_buffer_blocks(4096, SPEC) == 4096 // BLOCK_SIZE
+    assert load_buffer_blocks(4097, SPEC) == 4096 // BLOCK_SIZE + 1  # a partial block needs a whole one
+    big = KVSpec(tuple(f"l{i}" for i in range(32)), 128, 8, 128, torch.bfloat16)  # Llama-8B: 16 MiB blocks
+    assert load_buffer_blocks(131072, big) == LOAD_BUFFER_MAX_BYTES // big.block_nbytes == 64
+    huge = KVSpec(LAYERS, 1 << 16, 64, 128, torch.float32)  # one block above the cap
+    assert huge.block_nbytes > LOAD_BUFFER_MAX_BYTES and load_buffer_blocks(1 << 16, huge) == 1
+
+
+def test_load_buffer_blocks_below_one_is_refused(tmp_path) -> None:
+    store = PosixStore(str(tmp_path / "kv"))
+    with pytest.raises(ValueError, match="load_buffer_blocks must be >= 1, got 0"):
+        UCMWorker(SPEC, store, lambda _c: KVLayout.CPU_ATTN, load_buffer_blocks=0)
     store.close()

@@ -32,7 +32,7 @@ from ucm.config import UcmConfig, UcmConfigError, config_from_extra_config
 from ucm.integration.vllm.engine_info import detect_layout, kv_spec, namespace
 from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.integration.vllm.scheduler import UCMScheduler
-from ucm.integration.vllm.worker import UCMWorker
+from ucm.integration.vllm.worker import UCMWorker, load_buffer_blocks
 from ucm.logger import init_logger
 from ucm.store.pipeline import release_shared_store, shared_store
 
@@ -132,6 +132,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             # The request namespace (rank 0's, as the scheduler keys it) tags the block files for operators' tools.
             ns = namespace(vllm_config, self._spec, tp_rank=0)
             self._store.set_namespace(ns.digest(), dataclasses.asdict(ns))
+            # A kv_producer never loads: no load buffer worth paging in.
+            buffer_blocks = load_buffer_blocks(vllm_config.model_config.max_model_len, self._spec) if load else 1
             self._worker = UCMWorker(
                 self._spec,
                 self._store,
@@ -139,6 +141,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_rank=tp_rank,
                 tp_size=tp_size,
                 layerwise=self._ucm_config.use_layerwise,
+                load_buffer_blocks=buffer_blocks,
             )
 
     # ---------------------------------------------------------------- worker side
