@@ -89,8 +89,8 @@ class UCMWorker:
         layerwise: ``use_layerwise``: load and gather layer by layer (see the module docstring).
         load_buffer_blocks: blocks of the load staging buffer allocated and paged in by
             :meth:`register_kv_caches` (a larger load grows it, once). Without it the first storage hit of a process
-            copies every block into fresh memory: on this repo's VM each 2.8 MiB block then took 8-11 ms to copy
-            inside the engine process, against ~0.2 ms into touched memory.
+            copies every block into fresh memory: on this repo's 2-vCPU VM each 2.8 MiB block then took 8-36 ms to
+            copy (its page faults contending with the I/O threads'), against ~0.2 ms into touched memory.
 
     Raises:
         ValueError: ``load_buffer_blocks`` < 1.
