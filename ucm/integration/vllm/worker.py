@@ -155,7 +155,7 @@ class UCMWorker:
             "layerwise" if self._layerwise else "blockwise",
             (t1 - t0) * 1e3,
             self._load_buffer_blocks,
-            self._load_buffer.numel() * self._load_buffer.element_size() / 2**20,
+            self._load_buffer.nbytes / 2**20,
             (t2 - t1) * 1e3,
         )
 
@@ -172,7 +172,7 @@ class UCMWorker:
         faults of a fresh allocation per load. Allocated and paged in by :meth:`register_kv_caches`; a larger load
         replaces it by one of ``n`` blocks."""
         if self._load_buffer is None or self._load_buffer.shape[0] < n:
-            self._load_buffer = self._staging(max(n, self._load_buffer_blocks))
+            self._load_buffer = self._staging(n)
         return self._load_buffer[:n]
 
     @staticmethod
