@@ -212,3 +212,27 @@ def test_lossless_frame_has_one_zstd_block_per_section() -> None:
     frame_overhead = plane - sum(size - n for size in sizes)  # frame header and the empty last block
     assert 0 < frame_overhead <= 32
     assert len(container) == CONTAINER.size + 4 + plane + 2 * GEOMETRY.num_layers * n
+
+
+def test_decode_after_warm_up_compiles_nothing(tmp_path: Path) -> None:
+    """The Compress stage's warm-up compiles the numba specialization every real decode uses: payloads from ``bytes``
+    (read-only) and from the Posix stage's reused read buffer (a writable ``bytearray``), and the tensor API's
+    planes. A second specialization compiled on the first storage hit of a process (as one did before) costs ~0.1 s
+    with every decoding thread waiting on numba's compiler lock."""
+    from ucm.kernels import _numba_planes
+    from ucm.kernels.bf16_planes import merge_bf16_planes
+    from ucm.store.compress import CompressStore
+    from ucm.store.posix import PosixStore
+
+    CompressStore(PosixStore(str(tmp_path)), threads=1).close()  # its constructor warms the codec up
+    before = {name: list(getattr(_numba_planes, name).signatures) for name in ("split_planes", "merge_planes")}
+    block = torch.randn(4096).bfloat16().view(torch.uint8)
+    container, _, _ = encode_block(block, "lossless")
+    for payload in (container, bytearray(container), memoryview(bytearray(container))):
+        out = torch.empty_like(block)
+        decode_block(payload, out)
+        assert torch.equal(out, block)
+    exp, sm = split_bf16_planes(block.view(torch.bfloat16))
+    assert torch.equal(merge_bf16_planes(exp, sm).view(torch.uint8), block)
+    after = {name: list(getattr(_numba_planes, name).signatures) for name in ("split_planes", "merge_planes")}
+    assert after == before

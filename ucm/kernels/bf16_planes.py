@@ -209,7 +209,7 @@ def split_planes_np(words: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
     exp = np.empty(words.shape, np.uint8)
     sm = np.empty(words.shape, np.uint8)
-    split_planes(words, exp, sm)
+    split_planes(_read_only(words), exp, sm)
     return torch.from_numpy(exp), torch.from_numpy(sm)
 
 
@@ -224,7 +224,20 @@ def merge_planes_np(exp: np.ndarray, sm: np.ndarray, words: np.ndarray) -> None:
         raise ValueError(f"planes of {exp.shape[0]} and {sm.shape[0]} values for {words.shape[0]} words")
     from ucm.kernels._numba_planes import merge_planes
 
-    merge_planes(exp, sm, words)
+    merge_planes(_read_only(exp), _read_only(sm), words)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``. numba compiles a kernel once per argument type, and writability is part of the
+    type: the codec's inputs are read-only (``bytes``) or not (a reused read buffer) depending on where they come
+    from, so without this the first load of a process that reads another kind compiled (or loaded from numba's cache)
+    a second specialization of the kernel, while every decoding thread waited on numba's compiler lock: ~0.1 s of
+    a storage hit's TTFT after a fresh install (measured), more on a loaded machine."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def split_bf16_planes_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
