@@ -28,7 +28,9 @@ Parts (the last line printed is a JSON object with every number):
    variant once per round, so the scorings are compared under the same load), ``--kernel-threads`` threads (default
    1), the request's blocks at ``--block-table`` ids (``shuffled``: scattered over the cache, the default;
    ``ascending``: in order, as a fresh engine allocates them). Shows how the attention itself scales with the
-   fraction read, and what each scoring costs.
+   fraction read, and what each scoring costs. ``--impls`` selects GSA's kernel implementations (``auto``: what
+   the engine runs; ``numba``/``torch``: the two CPU paths of the ``sparq`` scoring); with more than one, each
+   variant is named ``<scoring>_<fraction>@<impl>``.
 
 Timings come from a shared 2-core machine: compare ratios within one run, not absolute numbers across runs.
 """
@@ -231,9 +233,15 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
         # Every variant once per round, rounds repeated: load changes on a shared machine hit all variants alike.
         variants: dict[str, Any] = {"dense_attend": lambda md=md: attend(md)}
         row: dict[str, Any] = {"blocks": nb}
-        configs = [(f"{scoring}_{f}", scoring, f) for scoring in args.block_scoring for f in args.fractions]
-        for name, scoring, f in configs:
-            method = GSA(GSAConfig(sparse_ratio=f, block_scoring=scoring))
+        tag = len(args.impls) > 1
+        configs = [
+            (f"{scoring}_{f}" + (f"@{impl}" if tag else ""), scoring, f, impl)
+            for scoring in args.block_scoring
+            for f in args.fractions
+            for impl in args.impls
+        ]
+        for name, scoring, f, impl in configs:
+            method = GSA(GSAConfig(sparse_ratio=f, block_scoring=scoring), impl=impl)
             summaries = method.new_summaries(nb, kv_heads, dim, kv_cache.device)
 
             def select(method=method, summaries=summaries, md=md, query=query, kv_cache=kv_cache):
@@ -253,7 +261,7 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
                 times[name].append((time.perf_counter() - t0) * 1e3)
         med = {name: statistics.median(t[1:]) for name, t in times.items()}  # round 0 is a warm-up
         row["dense_attend_ms"] = med["dense_attend"]
-        for name, _, _ in configs:
+        for name, *_ in configs:
             row[name]["select_ms"] = med[f"{name}.select"]
             row[name]["attend_ms"] = med[f"{name}.attend"]
         out["contexts"][str(ctx)] = row
@@ -279,6 +287,13 @@ def main() -> None:
         choices=["shuffled", "ascending"],
         help="the request's block ids in the kernel part: a random permutation, or 0..n-1 (a fresh engine's)",
     )
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "numba", "torch"],
+        help="GSA kernel implementations compared in the kernel part (numba: sparq scoring only)",
+    )
     parser.add_argument("--skip-engine", action="store_true", help="only the in-process attention kernel part")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -293,6 +308,7 @@ def main() -> None:
         "block_scoring": args.block_scoring,
         "block_size": args.block_size,
         "block_table": args.block_table,
+        "impls": args.impls,
         "attention_kernel": run_kernel(args),
     }
     if not args.skip_engine:

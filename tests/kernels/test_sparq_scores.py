@@ -28,7 +28,7 @@ SHAPES = [(9, 3, 64, 32), (4, 4, 40, 24), (8, 1, 128, 128)]
 SHAPE_IDS = [f"q{s[0]}-kv{s[1]}-d{s[2]}-bs{s[3]}" for s in SHAPES]
 LAYOUTS = [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD]
 # (impl, components read): the interpreter runs each program's component loop in Python, so it gets fewer cases.
-CASES = [("torch", 1), ("torch", 16), ("torch", 40)]
+CASES = [("torch", 1), ("torch", 16), ("torch", 40), ("numba", 1), ("numba", 16), ("numba", 40)]
 CASES += [pytest.param("triton", c, marks=needs_interpreter) for c in (3, 16)]  # interpreter on CPU tensors
 RTOL, ATOL = 1e-5, 1e-4  # fp32 sums of up to 40 products reordered
 
@@ -56,6 +56,10 @@ def make_inputs(hq: int, h: int, d: int, bs: int, layout: KVLayout, channels: in
 @pytest.mark.parametrize(("impl", "channels"), CASES)
 def test_matches_reference(impl: str, channels: int, shape: tuple, layout: KVLayout) -> None:
     q, chans, keys, table, lens = make_inputs(*shape, layout, min(channels, shape[2]))
+    if impl == "numba" and layout != KVLayout.CPU_ATTN:  # tokens not contiguous: the numba kernel refuses
+        with pytest.raises(ValueError, match=r"impl='numba' takes CPU keys .* tokens are contiguous"):
+            sparq_block_lse(q, chans, keys, table, lens, impl=impl)
+        return
     got = sparq_block_lse(q, chans, keys, table, lens, impl=impl)
     want = sparq_block_lse_reference(q, chans, keys, table, lens)
     assert got.shape == want.shape == (3, shape[0], 6)
@@ -63,6 +67,52 @@ def test_matches_reference(impl: str, channels: int, shape: tuple, layout: KVLay
     assert int(torch.isfinite(want).sum()) == shape[0] * (5 + 1 + 6)
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_numba_over_many_tiles(dtype: torch.dtype, block_size: int) -> None:
+    """The numba kernel over rows of many tiles (256 tokens each), with a partial last block in the middle of a tile,
+    a row ending on a tile boundary, and a block whose logits lie far below the rest (its sum underflows against the
+    tile's max and is redone with its own), in bf16 and fp32, against the reference."""
+    h, hq, d, nb = 3, 9, 64, 80
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn((nb, h, block_size, 2 * d), generator=g).to(dtype)
+    keys = paged_keys(cache, KVLayout.CPU_ATTN)
+    keys[5] = keys[5] * 0 - 300.0  # block 5: every key -300 in every component
+    width = 37
+    table = torch.randperm(nb, generator=g)[: 2 * width].view(2, width)
+    table[0, 11] = 5
+    lens = torch.tensor([29 * block_size + 7, (256 // block_size) * 4 * block_size]).clamp(max=width * block_size)
+    chans = torch.stack([torch.randperm(d, generator=g)[:16] for _ in range(2 * h)]).view(2, h, 16)
+    q = torch.rand((2, hq, 16), generator=g) * d**-0.5 + 0.05  # positive: block 5's logits ~ -300 * 16 * 0.1
+    got = sparq_block_lse(q, chans, keys, table, lens, impl="numba")
+    want = sparq_block_lse_reference(q, chans, keys, table, lens)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert float(want[0, :, 11].max()) < float(want[0, :, 12].min()) - 100  # the underflow case is exercised
+    torch.testing.assert_close(got[finite], want[finite], rtol=RTOL, atol=ATOL)
+
+
+def test_numba_is_the_cpu_default_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``impl="auto"`` on CPU: numba for CPU_ATTN keys (bf16, fp32), torch for fp16 or a layout without contiguous
+    tokens; an out-of-range block id is an error before the unchecked kernel runs."""
+    import ucm.kernels.sparq_scores as mod
+
+    calls: list[str] = []
+    for name in ("_lse_numba", "_lse_torch"):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    q, chans, keys, table, lens = make_inputs(9, 3, 64, 32, KVLayout.CPU_ATTN, 16)
+    sparq_block_lse(q, chans, keys, table, lens)
+    sparq_block_lse(q, chans, keys.float(), table, lens)  # .float() keeps the strides: still CPU_ATTN
+    sparq_block_lse(q, chans, keys.half(), table, lens)
+    sparq_block_lse(q, chans, *make_inputs(9, 3, 64, 32, KVLayout.FLASH_NHD, 16)[2:4], lens)
+    assert calls == ["_lse_numba", "_lse_numba", "_lse_torch", "_lse_torch"]
+    bad = table.clone()
+    bad[2, 3] = NUM_BLOCKS
+    with pytest.raises(ValueError, match=rf"block_table names blocks in \[\d+, {NUM_BLOCKS}\]; the cache has"):
+        sparq_block_lse(q, chans, keys, bad, lens, impl="numba")
 
 
 def test_cpu_layout_is_read_as_contiguous_runs() -> None:

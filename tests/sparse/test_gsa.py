@@ -46,7 +46,7 @@ def _kept_ids(sel, r: int) -> list[int]:
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("impl", ["numba", "torch", "reference"])
 def test_selection_matches_reference(h: int, hq: int, d: int, bs: int, cfg: GSAConfig, impl: str) -> None:
     keys, table, lens, q = _batch(h, hq, d, bs)
     method = GSA(cfg, impl=impl)
@@ -59,6 +59,35 @@ def test_selection_matches_reference(h: int, hq: int, d: int, bs: int, cfg: GSAC
         # Only full blocks are dropped: the length falls by whole blocks and the last (partial) block stays last.
         assert int(sel.seq_lens[r]) == int(lens[r]) - (n - int(sel.kept[r])) * bs
         assert _kept_ids(sel, r)[-1] == int(table[r, n - 1])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+def test_numba_keep_blocks_is_the_torch_selection(cfg: GSAConfig) -> None:
+    """``keep_blocks`` (one numba call) against ``compact_block_table(keep_mask(aggregate_scores(...)))``, whole
+    tables compared: rows that select, a row below ``min_blocks``, an empty row, a row not selecting (``rows``), and
+    tied scores (equal heads over several blocks: the earlier block wins, as in the stable torch sort)."""
+    from ucm.sparse.gsa import aggregate_scores, keep_blocks, keep_mask
+
+    g = torch.Generator().manual_seed(3)
+    bs, width, hq = 16, 24, 6
+    lens = torch.tensor([24 * bs, 20 * bs + 3, 3 * bs, 0, 17 * bs - 2, 22 * bs], dtype=torch.int32)
+    table = torch.randperm(200, generator=g)[: 6 * width].view(6, width).to(torch.int32)
+    rows = torch.tensor([0, 1, 2, 3, 5])  # row 4 keeps everything however long it is
+    n = torch.div(lens.long() + bs - 1, bs, rounding_mode="floor")
+    head = torch.randn((rows.numel(), hq, width), generator=g)
+    head[0, :, 5:12] = 3.0  # ties across seven blocks of row 0
+    head[1] = torch.randn((1, width), generator=g).expand(hq, width)
+    head = head.masked_fill(torch.arange(width)[None, None, :] >= n[rows][:, None, None], float("-inf"))
+    for temperature in (1.0, 0.125):
+        got = keep_blocks(head, temperature, rows, table, lens, bs, cfg)
+        keep = torch.ones(table.shape, dtype=torch.bool)
+        keep[rows] = keep_mask(aggregate_scores(head, temperature), n[rows], cfg)
+        keep[rows[n[rows] < cfg.min_blocks]] = True
+        want = compact_block_table(table, lens, keep, bs)
+        assert torch.equal(got.block_table, want.block_table)
+        assert torch.equal(got.seq_lens, want.seq_lens) and got.seq_lens.dtype == lens.dtype
+        assert torch.equal(got.kept, want.kept) and torch.equal(got.num_blocks, want.num_blocks)
+    assert int(got.kept[4]) == int(n[4]) and int(got.kept[3]) == 0
 
 
 def test_windows_always_kept_and_best_block_found() -> None:
@@ -347,12 +376,91 @@ def test_sparq_scoring_with_all_blocks_kept_is_the_dense_table() -> None:
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
 def test_sparq_selection_is_the_reference_kernels(h: int, hq: int, d: int, bs: int, cfg: GSAConfig) -> None:
-    """The batched CPU path (one gather and matmul for all rows) keeps the blocks the loop-by-loop oracle keeps."""
+    """The batched CPU paths (numba's fused pass; torch's one gather and matmul for all rows) keep the blocks the
+    loop-by-loop oracle keeps."""
     keys, table, lens, q = _batch(h, hq, d, bs)
     sparq = GSAConfig.model_validate({**cfg.model_dump(), "block_scoring": "sparq", "score_channels": 8})
     kept = {}
-    for impl in ("torch", "reference"):
+    for impl in ("numba", "torch", "reference"):
         method = GSA(sparq, impl=impl)
         sel = method.select(q, keys, method.new_summaries(NUM_BLOCKS, h, d, torch.device("cpu")), table, lens, d**-0.5)
         kept[impl] = [_kept_ids(sel, r) for r in range(4)]
-    assert kept["torch"] == kept["reference"]
+    assert kept["numba"] == kept["torch"] == kept["reference"]
+
+
+@pytest.mark.parametrize(("h", "hq", "d", "channels"), [(3, 9, 64, 16), (2, 8, 40, 40), (4, 4, 32, 1)])
+def test_numba_sparq_query_is_the_torch_one(h: int, hq: int, d: int, channels: int) -> None:
+    """SparQ's query step in numba (the fused CPU selection's first step) picks the torch path's components and
+    scales them alike (fp32 rounding); components of equal ``|q|`` may come in another order (compared sorted)."""
+    import numpy as np
+
+    from ucm.kernels._numba_sparq import sparq_query as sparq_query_numba
+    from ucm.sparse.gsa import sparq_query
+
+    q = torch.randn((5, hq, d), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).float()
+    q[2, : hq // h] = 0.0  # a KV head whose query heads are all zero: the share clamps, nothing divides by zero
+    want_q, want_idx = sparq_query(q, h, channels, d**-0.5)
+    got_q = np.empty((5, hq, channels), np.float32)
+    got_idx = np.empty((5, h, channels), np.int64)
+    sparq_query_numba(q.numpy(), h, d**-0.5, got_q, got_idx)
+    group = hq // h
+
+    def by_component(idx: torch.Tensor, q_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx, order = idx.sort(dim=-1)
+        per_head = order.repeat_interleave(group, dim=1)  # [R, HQ, C]: each query head follows its KV head
+        return idx, q_r.gather(2, per_head)
+
+    got_idx, got_q = by_component(torch.from_numpy(got_idx), torch.from_numpy(got_q))
+    want_idx, want_q = by_component(want_idx, want_q)
+    rows = [0, 1, 3, 4]  # row 2's first KV head: every |q| is 0, any components are right
+    assert torch.equal(got_idx[rows], want_idx[rows]) and torch.equal(got_idx[2, 1:], want_idx[2, 1:])
+    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_sparq_selection_refuses_blocks_outside_the_cache() -> None:
+    keys, table, lens, q = _batch(3, 9, 64, 32)
+    method = GSA(GSAConfig(block_scoring="sparq"), impl="numba")
+    bad = table.clone()
+    bad[0, 4] = NUM_BLOCKS + 2
+    summaries = method.new_summaries(NUM_BLOCKS, 3, 64, torch.device("cpu"))
+    with pytest.raises(ValueError, match=rf"block_table names blocks in \[\d+, {NUM_BLOCKS + 2}\]; the cache has"):
+        method.select(q, keys, summaries, bad, lens, 0.125)
+
+
+_WARM_UP_CHILD = """
+import json, sys, torch
+from ucm.config import GSAConfig
+from ucm.kernels import _numba_sparq
+from ucm.kernels.block_summaries import paged_keys
+from ucm.kernels.layouts import KVLayout
+from ucm.sparse import GSA, _numba_select
+
+dtype = getattr(torch, sys.argv[1])
+kernels = (_numba_sparq.sparq_query, _numba_sparq.block_lse, _numba_select.keep_blocks)
+method = GSA(GSAConfig(block_scoring="sparq"))
+method.warm_up(dtype, torch.device("cpu"))
+before = [len(k.signatures) for k in kernels]
+keys = paged_keys(torch.randn((40, 3, 32, 128)).to(dtype), KVLayout.CPU_ATTN)
+table = torch.randperm(40).to(torch.int32).view(2, 20)
+lens = torch.tensor([20 * 32 - 3, 3 * 32], dtype=torch.int32)
+sel = method.select(torch.randn((2, 9, 64)).to(dtype), keys, method.new_summaries(40, 3, 64, torch.device("cpu")),
+                    table, lens, 0.125)
+print(json.dumps({"before": before, "after": [len(k.signatures) for k in kernels], "kept": sel.kept.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_warm_up_compiles_what_the_engine_runs(dtype: str) -> None:
+    """In a fresh process, after ``warm_up`` a selection with the engine's argument types (int32 block table and
+    lengths, a larger cache, a row below ``min_blocks``) adds no numba specialization: the first decode step does not
+    wait for the compiler."""
+    import json
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", _WARM_UP_CHILD, dtype], capture_output=True, text=True, timeout=600, check=True
+    )
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    assert got["before"] == [1, 1, 1]  # warm-up compiled (or loaded) one specialization of each kernel
+    assert got["after"] == got["before"] and got["kept"] == [6, 3]

@@ -16,29 +16,31 @@ lets a GPU program finish a block in one pass.
 
 Keys are read in place from vLLM's paged cache (a strided view ``[num_blocks, num_kv_heads, block_size,
 head_dim]``). In the CPU_ATTN layout a block's keys are stored transposed, so one component of one block is one
-contiguous run of ``block_size`` values: the CPU path gathers exactly those runs (``index_select`` over rows of a 2-D
-view of the cache, in ascending block id order) and multiplies them with one batched matmul.
+contiguous run of ``block_size`` values: the CPU paths read exactly those runs, in ascending block id order.
 
 The sum over components is an fp32 reduction whose order differs between implementations; results agree to fp32
 rounding (tests use a tolerance), not bit for bit.
 
 Implementations (``impl=``): ``"triton"`` (one program per (request, KV head, block), all query heads of the KV head
-at once; the default on CUDA; the interpreter on CPU tensors, tests only) and ``"torch"`` (row gather + batched
-matmul + ``logsumexp``: the CPU path); :func:`sparq_block_lse_reference` is the oracle (loops over requests, heads
-and blocks).
+at once; the default on CUDA; the interpreter on CPU tensors, tests only), ``"numba"`` (one fused pass: gather with
+prefetch, logits and log-sum-exp per tile of blocks, see ``ucm.kernels._numba_sparq``; the default on CPU for
+bf16/fp32 keys whose tokens are contiguous, as in CPU_ATTN) and ``"torch"`` (row gather + batched matmul +
+``logsumexp``: any other CPU case); :func:`sparq_block_lse_reference` is the oracle (loops over requests, heads and
+blocks).
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ucm.kernels._block_copy import _interpreted
 
-IMPLS = ("auto", "triton", "torch")
+IMPLS = ("auto", "triton", "numba", "torch")
 
 
 def _check(
@@ -94,16 +96,25 @@ def sparq_block_lse(
         block_table: int32/int64 ``[R, W]`` vLLM block ids of each request, in token order; entries past a row's
             ``ceil(seq_lens / block_size)`` blocks are not read.
         seq_lens: int32/int64 ``[R]`` tokens per request, in ``[0, W * block_size]``.
-        impl: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
+        impl: ``"auto"`` (Triton on CUDA; on CPU numba where it applies, else torch), ``"triton"``, ``"numba"`` or
+            ``"torch"``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices or channel indices, or unknown ``impl``.
+        ValueError: bad shapes, dtypes, devices or channel indices, unknown ``impl``, or ``"numba"`` for keys it
+            does not take (not on CPU, not bf16/fp32, or tokens not contiguous).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     _check(q, channels, keys, block_table, seq_lens)
     if impl == "auto":
-        impl = "triton" if q.device.type == "cuda" else "torch"
+        impl = "triton" if q.device.type == "cuda" else "numba" if numba_applies(keys) else "torch"
+    if impl == "numba":
+        if not numba_applies(keys):
+            raise ValueError(
+                "impl='numba' takes CPU keys of dtype bfloat16 or float32 whose tokens are contiguous (stride 1, as "
+                f"in CPU_ATTN), got {keys.dtype} on {keys.device} with strides {tuple(keys.stride())}"
+            )
+        return _lse_numba(q, channels, keys, block_table, seq_lens)
     if impl == "triton":
         out = torch.empty((q.shape[0], q.shape[1], block_table.shape[1]), dtype=torch.float32, device=q.device)
         if out.numel():
@@ -142,6 +153,72 @@ def _key_rows(keys: torch.Tensor) -> torch.Tensor | None:
     nb, h, bs, d = keys.shape
     rows = ((nb - 1) * s0 + (h - 1) * s1 + (d - 1) * s3) // s3 + 1
     return keys.as_strided((rows, bs), (s3, 1))
+
+
+def numba_applies(keys: torch.Tensor) -> bool:
+    """Whether the numba kernel takes ``keys``: on CPU, bf16 or fp32, tokens contiguous."""
+    return keys.device.type == "cpu" and keys.dtype in (torch.bfloat16, torch.float32) and keys.stride(2) == 1
+
+
+def key_words(keys: torch.Tensor) -> tuple[np.ndarray, np.uint32]:
+    """The storage of bf16/fp32 ``keys`` from their first element as a 1-D numpy array of ``uint16`` (bf16) or
+    ``uint32`` (fp32), no copy, and the left shift that widens a word to fp32 bits (16 or 0): the numba kernel's
+    view of the paged cache (key ``[b, h, t, c]`` at ``b * s0 + h * s1 + t * s2 + c * s3``, ``s`` its strides)."""
+    span = sum((size - 1) * stride for size, stride in zip(keys.shape, keys.stride(), strict=True)) + 1
+    flat = keys.as_strided((span,), (1,))
+    if keys.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(np.uint16), np.uint32(16)
+    return flat.view(torch.int32).numpy().view(np.uint32), np.uint32(0)
+
+
+def raise_bad_block_ids(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
+    """Raise the ValueError for a table naming a block outside the cache (the numba kernel found one)."""
+    n = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
+    used = block_table[torch.arange(block_table.shape[1])[None, :] < n[:, None]]
+    raise ValueError(
+        f"block_table names blocks in [{int(used.min())}, {int(used.max())}]; the cache has {num_blocks} "
+        f"(ids 0..{num_blocks - 1})"
+    )
+
+
+_TILE_TOKENS = 256  # tokens per tile of the numba kernel: its scratch (H * C + heads per KV head) * 1 KiB stays in L2
+
+
+def numba_tile_blocks(block_size: int) -> int:
+    """Blocks per tile of the numba kernel."""
+    return max(1, _TILE_TOKENS // block_size)
+
+
+def _lse_numba(
+    q: torch.Tensor, channels: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    from ucm.kernels import _numba_sparq  # numba is slow to import: only when the CPU path first runs
+
+    nb, _, bs, _ = keys.shape
+    out = torch.full((q.shape[0], q.shape[1], block_table.shape[1]), float("-inf"), dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    s0, s1, _, s3 = keys.stride()
+    words, shift = key_words(keys)
+    lens = seq_lens.long()
+    status = _numba_sparq.block_lse(
+        q.contiguous().numpy(),
+        channels.contiguous().numpy(),
+        words,
+        shift,
+        s0,
+        s1,
+        s3,
+        block_table.contiguous().numpy(),
+        lens.numpy(),
+        bs,
+        nb,
+        numba_tile_blocks(bs),
+        out.numpy(),
+    )
+    if status:
+        raise_bad_block_ids(block_table, seq_lens, bs, nb)
+    return out
 
 
 def _lse_torch(

@@ -174,6 +174,12 @@ class SparseMethod(ABC):
             scale: the attention's softmax scale (``1/sqrt(head_dim)`` for most models).
         """
 
+    def warm_up(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile or load whatever the method's first :meth:`select` on a paged cache of ``dtype`` on ``device``
+        would (called once per process at engine start, so that the first decode step does not wait for it); the
+        default does nothing."""
+        return None
+
     def observe(
         self,
         query: torch.Tensor,

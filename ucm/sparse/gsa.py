@@ -46,19 +46,31 @@ summed per block (:func:`sparq_scores`; the kernels are ``ucm.kernels.sparq_scor
 matched dense at 70% of blocks skipped (at 32-token blocks; at 128-token blocks it matched the exact-mass oracle,
 and key bounds lost most answers); scores reused for 4 or more steps, or taken from the prompt's last queries, lost
 answers (``benchmarks/sparse_policies.py``). Cost: every step and layer reads ``score_channels / head_dim`` of every
-key of the request (on top of the kept blocks' full K and V).
+key of the request (on top of the kept blocks' full K and V). On CPU (bf16/fp32 keys with contiguous tokens, as in
+vLLM's CPU_ATTN layout) the whole selection of a step is three numba calls (:func:`sparq_select`:
+``ucm.sparse._numba_select``); elsewhere, or with ``impl="torch"``, torch ops (:func:`sparq_scores`,
+:func:`aggregate_scores`, :func:`keep_mask`, ``compact_block_table``), which are also the fast path's test oracles.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ucm.config import GSAConfig
 from ucm.kernels.block_scores import block_scores, block_scores_reference
-from ucm.kernels.block_summaries import block_summaries
-from ucm.kernels.sparq_scores import sparq_block_lse, sparq_block_lse_reference
+from ucm.kernels.block_summaries import block_summaries, paged_keys
+from ucm.kernels.layouts import KVLayout
+from ucm.kernels.sparq_scores import (
+    key_words,
+    numba_applies,
+    numba_tile_blocks,
+    raise_bad_block_ids,
+    sparq_block_lse,
+    sparq_block_lse_reference,
+)
 from ucm.sparse.base import BlockSummaries, Selection, SparseMethod, compact_block_table
 
 
@@ -109,7 +121,27 @@ class AttentionMass(BlockSummaries):
 class KeyChannels(BlockSummaries):
     """``block_scoring: sparq``: nothing is precomputed. Each step reads ``score_channels`` components of the
     request's paged keys directly (:func:`sparq_scores`); vLLM's CPU layout stores a block's keys transposed, so each
-    component is one contiguous run. The base class's ``fill`` is unused."""
+    component is one contiguous run. The base class's ``fill`` is unused, so invalidation is a no-op; the table
+    keeps the numba path's view of the layer's paged keys (:meth:`key_words`)."""
+
+    def __init__(self, num_blocks: int, device: torch.device) -> None:
+        super().__init__(num_blocks, device)
+        self._words: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], tuple[np.ndarray, np.uint32]] | None
+        self._words = None
+
+    def invalidate(self, block_ids: torch.Tensor) -> None:
+        """Nothing to invalidate: every step reads the keys themselves."""
+
+    def invalidate_slots(self, slot_mapping: torch.Tensor, block_size: int) -> None:
+        """Nothing to invalidate: every step reads the keys themselves."""
+
+    def key_words(self, keys: torch.Tensor) -> tuple[np.ndarray, np.uint32]:
+        """``ucm.kernels.sparq_scores.key_words(keys)``, kept while ``keys`` is the same view of the same memory
+        (the layer's paged cache: one per engine)."""
+        ident = (keys.data_ptr(), id(keys.dtype), tuple(keys.shape), tuple(keys.stride()))
+        if self._words is None or self._words[0] != ident:
+            self._words = (ident, key_words(keys))
+        return self._words[1]
 
     def _compute(self, keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor) -> None:
         """Unused: there is nothing to precompute."""
@@ -178,6 +210,8 @@ def sparq_scores(
     scale: float,
     channels: int,
     impl: str = "auto",
+    *,
+    per_head: bool = False,
 ) -> torch.Tensor:
     """Approximate attention mass each block gets from each row's decode query, float32 ``[R, W]`` (``-inf`` past
     a row's blocks), reading only ``channels`` of the ``head_dim`` key components per KV head (steps 1-2 of SparQ
@@ -189,7 +223,9 @@ def sparq_scores(
         keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view).
         block_table: int ``[R, W]`` the requests' blocks in token order; seq_lens: int ``[R]`` tokens per row.
         scale: the attention's softmax scale; channels: key components read per KV head (``head_dim``: exact).
-        impl: ``"auto"``, ``"triton"``, ``"torch"`` or ``"reference"`` (the kernel's test oracle).
+        impl: ``"auto"``, ``"triton"``, ``"numba"``, ``"torch"`` or ``"reference"`` (the kernel's test oracle).
+        per_head: return the per-head scores before the sum instead, float32 ``[R, num_heads, W]``: each block's
+            log-sum-exp of the head's logits (the log of its mass up to a per-head constant).
 
     Raises:
         ValueError: bad shapes, dtypes or devices, or an unknown ``impl`` (from ``sparq_block_lse``).
@@ -199,7 +235,7 @@ def sparq_scores(
         lse = sparq_block_lse_reference(q_r, idx, keys, block_table, seq_lens)
     else:
         lse = sparq_block_lse(q_r, idx, keys, block_table, seq_lens, impl=impl)
-    return aggregate_scores(lse, 1.0)  # softmax over blocks of the per-block log-sum-exp = each block's share
+    return lse if per_head else aggregate_scores(lse, 1.0)  # softmax over blocks of the per-block log-sum-exp
 
 
 def sparq_mass(
@@ -252,22 +288,133 @@ def keep_mask(scores: torch.Tensor, num_blocks: torch.Tensor, cfg: GSAConfig) ->
     return (rank < k[:, None]) & inside
 
 
+IMPLS = ("auto", "triton", "numba", "torch", "reference")
+
+
+def _keep_blocks(
+    head_scores: np.ndarray,
+    score_row: np.ndarray,
+    temperature: float,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    cfg: GSAConfig,
+) -> Selection:
+    """``ucm.sparse._numba_select.keep_blocks`` on numpy scores (``[S, HQ, W]``, rows picked by ``score_row``)."""
+    from ucm.sparse import _numba_select  # numba is slow to import: only when the CPU path first runs
+
+    table = torch.empty_like(block_table)
+    counts = torch.empty((3, block_table.shape[0]), dtype=torch.int64)  # lengths, kept, num_blocks
+    _numba_select.keep_blocks(
+        head_scores,
+        score_row,
+        float(temperature),
+        block_table.contiguous().numpy(),
+        seq_lens.long().numpy(),
+        block_size,
+        cfg.sparse_ratio,
+        cfg.init_window_sz,
+        cfg.local_window_sz,
+        cfg.min_blocks,
+        table.numpy(),
+        counts[0].numpy(),
+        counts[1].numpy(),
+        counts[2].numpy(),
+    )
+    return Selection(block_table=table, seq_lens=counts[0].to(seq_lens.dtype), kept=counts[1], num_blocks=counts[2])
+
+
+def keep_blocks(
+    head_scores: torch.Tensor,
+    temperature: float,
+    rows: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    cfg: GSAConfig,
+) -> Selection:
+    """GSA's selection from per-head scores in one numba call (CPU; ``ucm.sparse._numba_select``): the same as
+    ``compact_block_table`` over ``keep_mask(aggregate_scores(head_scores, temperature))`` for ``rows`` (the
+    others keep every block), up to fp32 rounding of the softmax.
+
+    Args:
+        head_scores: float32 ``[len(rows), num_heads, W]`` log-domain scores of the selecting rows' blocks.
+        temperature: multiplies ``head_scores`` before the per-head softmax over blocks.
+        rows: int64 ``[S]`` the selecting rows; block_table: int ``[R, W]``; seq_lens: int ``[R]``.
+        block_size: tokens per block; cfg: GSA's config.
+    """
+    score_row = torch.full((block_table.shape[0],), -1, dtype=torch.int64)
+    score_row[rows] = torch.arange(rows.numel())
+    head = head_scores.float().contiguous().numpy()
+    return _keep_blocks(head, score_row.numpy(), temperature, block_table, seq_lens, block_size, cfg)
+
+
+def sparq_select(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    cfg: GSAConfig,
+    words: tuple[np.ndarray, np.uint32] | None = None,
+) -> Selection:
+    """GSA's whole ``block_scoring: sparq`` selection as numba calls (CPU, bf16/fp32 keys with contiguous tokens:
+    ``ucm.kernels.sparq_scores.numba_applies``): the per-head scores of :func:`sparq_scores` then :func:`keep_blocks`
+    for the rows of at least ``min_blocks`` blocks (the others keep every block). Same blocks as the torch path up
+    to fp32 rounding.
+
+    Args:
+        query: ``[R, num_heads, head_dim]`` decode queries (any float dtype); keys: paged keys as in
+            :func:`sparq_scores`; block_table: int ``[R, W]``; seq_lens: int ``[R]``; scale: softmax scale;
+            cfg: GSA's config; words: ``ucm.kernels.sparq_scores.key_words(keys)`` if the caller keeps it.
+
+    Raises:
+        ValueError: a selecting row names a block outside the cache.
+    """
+    from ucm.sparse import _numba_select  # numba is slow to import: only when the CPU path first runs
+
+    nb, h, bs, _ = keys.shape
+    s0, s1, _, s3 = keys.stride()
+    key_storage, shift = key_words(keys) if words is None else words
+    query_np, table_np, lens_np = query.float().contiguous().numpy(), block_table.contiguous().numpy(), seq_lens.numpy()
+    status, lse, score_row = _numba_select.sparq_lse(
+        query_np,
+        h,
+        cfg.score_channels,
+        scale,
+        key_storage,
+        shift,
+        (s0, s1, s3),
+        nb,
+        numba_tile_blocks(bs),
+        table_np,
+        lens_np.astype(np.int64, copy=False),
+        bs,
+        cfg.min_blocks,
+    )
+    if status:
+        raise_bad_block_ids(block_table, seq_lens, bs, nb)
+    return _keep_blocks(lse, score_row, 1.0, block_table, seq_lens, bs, cfg)
+
+
 class GSA(SparseMethod):
     """GSA block selection (see the module doc).
 
     Args:
         cfg: ``ucm_sparse_config.GSA``.
-        impl: kernel implementation for summaries and scores (``"auto"``: Triton on CUDA, torch otherwise;
-            ``"triton"``, ``"torch"``, or ``"reference"``: the test oracles).
+        impl: kernel implementation for summaries and scores (``"auto"``: Triton on CUDA; on CPU numba for the
+            ``sparq`` scoring where it applies, torch otherwise; ``"triton"``, ``"numba"`` (``sparq`` only; the
+            ``key_bounds`` kernels then run their torch path), ``"torch"``, or ``"reference"``: the test oracles).
     """
 
     name = "GSA"
 
     def __init__(self, cfg: GSAConfig, impl: str = "auto") -> None:
-        if impl not in ("auto", "triton", "torch", "reference"):
-            raise ValueError(f"impl must be one of ['auto', 'triton', 'torch', 'reference'], got {impl!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
         self.cfg = cfg
         self.impl = impl
+        self._bounds_impl = "torch" if impl in ("numba", "reference") else impl  # the key_bounds kernels' impl
 
     def new_summaries(self, num_blocks: int, num_kv_heads: int, head_dim: int, device: torch.device) -> BlockSummaries:
         """An all-stale table for ``num_blocks`` blocks: :class:`KeyBounds`, :class:`AttentionMass` with
@@ -276,7 +423,7 @@ class GSA(SparseMethod):
             return AttentionMass(num_blocks, device)
         if self.cfg.block_scoring == "sparq":
             return KeyChannels(num_blocks, device)
-        return KeyBounds(num_blocks, num_kv_heads, head_dim, device, "torch" if self.impl == "reference" else self.impl)
+        return KeyBounds(num_blocks, num_kv_heads, head_dim, device, self._bounds_impl)
 
     def observe(
         self,
@@ -319,31 +466,58 @@ class GSA(SparseMethod):
             raise TypeError(
                 f"GSA needs KeyBounds, AttentionMass or KeyChannels summaries, got {type(summaries).__name__}"
             )
+        if isinstance(summaries, KeyChannels) and self._numba_select(block_table) and numba_applies(keys):
+            return sparq_select(query, keys, block_table, seq_lens, scale, self.cfg, summaries.key_words(keys))
         block_size = keys.shape[2]
         n = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
         sparse = n >= self.cfg.min_blocks
-        keep = torch.ones(block_table.shape, dtype=torch.bool, device=block_table.device)
-        if bool(sparse.any()):
-            rows = sparse.nonzero().flatten()
-            table, nb, lens = block_table[rows], n[rows], seq_lens[rows].long()
+        rows = sparse.nonzero().flatten()
+        if rows.numel() == 0:
+            keep = torch.ones(block_table.shape, dtype=torch.bool, device=block_table.device)
+            return compact_block_table(block_table, seq_lens, keep, block_size)
+        table, nb, lens = block_table[rows], n[rows], seq_lens[rows].long()
+        if isinstance(summaries, AttentionMass):
+            head, temperature = self._measured_scores(query[rows], keys, summaries, table, nb, lens, scale), None
+        elif isinstance(summaries, KeyChannels):
+            channels = self.cfg.score_channels
+            head = sparq_scores(query[rows], keys, table, lens, scale, channels, self.impl, per_head=True)
+            temperature = 1.0
+        else:
             cols = torch.arange(table.shape[1], device=table.device)[None, :]
             inside = cols < nb[:, None]
-            if isinstance(summaries, AttentionMass):
-                scores = self._measured_scores(query[rows], keys, summaries, table, nb, lens, scale)
-            elif isinstance(summaries, KeyChannels):
-                scores = sparq_scores(query[rows], keys, table, lens, scale, self.cfg.score_channels, self.impl)
+            counts = torch.where(cols == (nb - 1)[:, None], lens[:, None] - (nb - 1)[:, None] * block_size, block_size)
+            summaries.refresh(keys, table[inside].long(), counts[inside])
+            if self.impl == "reference":
+                head = block_scores_reference(query[rows], summaries.kmin, summaries.kmax, table, nb)
             else:
-                counts = torch.where(
-                    cols == (nb - 1)[:, None], lens[:, None] - (nb - 1)[:, None] * block_size, block_size
-                )
-                summaries.refresh(keys, table[inside].long(), counts[inside])
-                if self.impl == "reference":
-                    ub = block_scores_reference(query[rows], summaries.kmin, summaries.kmax, table, nb)
-                else:
-                    ub = block_scores(query[rows], summaries.kmin, summaries.kmax, table, nb, impl=self.impl)
-                scores = aggregate_scores(ub, scale)
-            keep[rows] = keep_mask(scores, nb, self.cfg)
+                head = block_scores(query[rows], summaries.kmin, summaries.kmax, table, nb, impl=self._bounds_impl)
+            temperature = scale
+        if temperature is not None and self._numba_select(block_table):
+            return keep_blocks(head, temperature, rows, block_table, seq_lens, block_size, self.cfg)
+        scores = head if temperature is None else aggregate_scores(head, temperature)
+        keep = torch.ones(block_table.shape, dtype=torch.bool, device=block_table.device)
+        keep[rows] = keep_mask(scores, nb, self.cfg)
         return compact_block_table(block_table, seq_lens, keep, block_size)
+
+    def warm_up(self, dtype: torch.dtype, device: torch.device) -> None:
+        """With ``sparq`` on the numba path: one selection on a tiny synthetic CPU_ATTN cache of ``dtype`` with an
+        int32 block table (vLLM's), which compiles the kernels for exactly the engine's argument types, or loads
+        them from numba's on-disk cache (~10-25 s for a fresh install on this repo's 2-core machine; ~0.5 s after)."""
+        if self.cfg.block_scoring != "sparq" or self.impl not in ("auto", "numba") or device.type != "cpu":
+            return
+        num_blocks, h, d, bs = self.cfg.min_blocks + 1, 1, 16, 16
+        keys = paged_keys(torch.zeros((num_blocks, h, bs, 2 * d), dtype=dtype), KVLayout.CPU_ATTN)
+        if not numba_applies(keys):
+            return
+        table = torch.arange(num_blocks, dtype=torch.int32)[None]
+        lens = torch.tensor([num_blocks * bs], dtype=torch.int32)
+        summaries = self.new_summaries(num_blocks, h, d, device)
+        self.select(torch.ones((1, h, d), dtype=dtype), keys, summaries, table, lens, d**-0.5)
+
+    def _numba_select(self, block_table: torch.Tensor) -> bool:
+        """Whether the selection runs as one numba call (:func:`keep_blocks`): ``impl`` ``"auto"`` or ``"numba"``
+        on CPU."""
+        return self.impl in ("auto", "numba") and block_table.device.type == "cpu"
 
     @staticmethod
     def _measured_scores(

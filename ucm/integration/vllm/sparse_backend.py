@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from typing import Any
 
 import torch
@@ -63,6 +64,51 @@ def _announce(name: str, kept: int, total: int) -> None:
     if not _announced:
         _announced = True
         logger.info("sparse attention %s: first decode selection kept %d of %d blocks", name, kept, total)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepRows:
+    """A step's rows by kind: ``decode`` (int64 ``[D]``: rows with one query token) and their token indices in the
+    step's query (``decode_tokens``), ``prefill`` as ``(row, first token, end token)``, and whether every row
+    decodes."""
+
+    decode: torch.Tensor
+    decode_tokens: torch.Tensor
+    prefill: list[tuple[int, int, int]]
+    all_decode: bool
+
+
+_last_step: tuple[CPUAttentionMetadata, _StepRows] | None = None
+
+
+def _step_rows(md: CPUAttentionMetadata) -> _StepRows:
+    """The rows of the step whose metadata is ``md``, computed at its first layer: vLLM's CPU builder makes one
+    metadata object per step and hands it to every layer (a new object each step; the strong reference kept here
+    also keeps its id from being reused)."""
+    global _last_step
+    if _last_step is not None and _last_step[0] is md:
+        return _last_step[1]
+    num_reqs = md.seq_lens.shape[0]
+    starts = md.query_start_loc[: num_reqs + 1]
+    query_lens = starts[1:] - starts[:-1]
+    decode = (query_lens == 1).nonzero().flatten()
+    prefill = [(r, int(starts[r]), int(starts[r + 1])) for r in (query_lens > 1).nonzero().flatten().tolist()]
+    rows = _StepRows(decode, starts[decode].long(), prefill, decode.numel() == num_reqs)
+    _last_step = (md, rows)
+    return rows
+
+
+_warmed: set[tuple[str, torch.dtype]] = set()
+
+
+def _warm_up(method: SparseMethod, dtype: torch.dtype) -> None:
+    """The method's warm-up (its CPU kernels compiled or loaded), once per process and KV dtype, timed in the log."""
+    if (method.name, dtype) in _warmed:
+        return
+    _warmed.add((method.name, dtype))
+    start = time.perf_counter()
+    method.warm_up(dtype, torch.device("cpu"))
+    logger.info("sparse attention %s: kernels ready in %.1f s", method.name, time.perf_counter() - start)
 
 
 _parsed: dict[str, UcmSparseConfig | None] = {}  # kv_connector_extra_config (JSON) -> its ucm_sparse_config
@@ -111,6 +157,9 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
                 f"{self.kv_cache_dtype!r}; allowed: 'auto'"
             )
         self._method = method
+        model_config = get_current_vllm_config().model_config
+        if model_config is not None:
+            _warm_up(method, model_config.dtype)
 
     def forward(
         self,
@@ -186,25 +235,31 @@ def sparse_cpu_metadata(
     _, num_kv_heads, block_size, two_d = kv_cache.shape
     summaries.invalidate_slots(md.slot_mapping[: md.num_actual_tokens], block_size)
     num_reqs = md.seq_lens.shape[0]
-    starts = md.query_start_loc[: num_reqs + 1]
-    query_lens = starts[1:] - starts[:-1]
+    step = _step_rows(md)
     keys = paged_keys(kv_cache, KVLayout.CPU_ATTN)
-    for r in (query_lens > 1).nonzero().flatten().tolist():  # prefill rows: the method may learn from them
-        end = int(starts[r + 1])
-        method.observe(query[int(starts[r]) : end], keys, summaries, md.block_table[r], int(md.seq_lens[r]), scale)
-    rows = (query_lens == 1).nonzero().flatten()
-    if rows.numel() == 0:
+    for r, start, end in step.prefill:  # prefill rows: the method may learn from them
+        method.observe(query[start:end], keys, summaries, md.block_table[r], int(md.seq_lens[r]), scale)
+    if step.decode.numel() == 0:
         return md
-    sel = method.select(query[starts[rows].long()], keys, summaries, md.block_table[rows], md.seq_lens[rows], scale)
-    _announce(method.name, int(sel.kept.sum()), int(sel.num_blocks.sum()))
-    if logger.isEnabledFor(logging.DEBUG):
+    if step.all_decode:  # one query token per row (a pure decode step): no row to pick out or merge back
+        sel = method.select(query[:num_reqs], keys, summaries, md.block_table, md.seq_lens, scale)
+        block_table, seq_lens = sel.block_table, sel.seq_lens
+    else:
+        rows = step.decode
+        sel = method.select(query[step.decode_tokens], keys, summaries, md.block_table[rows], md.seq_lens[rows], scale)
+        block_table = md.block_table.clone()
+        block_table[rows] = sel.block_table
+        seq_lens = md.seq_lens.clone()
+        seq_lens[rows] = sel.seq_lens
+    if not _announced or logger.isEnabledFor(logging.DEBUG):
+        _announce(method.name, int(sel.kept.sum()), int(sel.num_blocks.sum()))
         logger.debug(
-            "%s: rows %s kept %s of %s blocks", method.name, rows.tolist(), sel.kept.tolist(), sel.num_blocks.tolist()
+            "%s: rows %s kept %s of %s blocks",
+            method.name,
+            step.decode.tolist(),
+            sel.kept.tolist(),
+            sel.num_blocks.tolist(),
         )
-    block_table = md.block_table.clone()
-    block_table[rows] = sel.block_table
-    seq_lens = md.seq_lens.clone()
-    seq_lens[rows] = sel.seq_lens
     # What CPUAttentionMetadataBuilder.build computes from seq_lens, with the builder's arguments (no sliding
     # window: layers with one never get here; no dynamic causal mask: checked by the caller).
     scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(

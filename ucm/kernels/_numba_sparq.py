@@ -1,0 +1,254 @@
+"""numba kernels of the CPU fast path for ``ucm.kernels.sparq_scores`` (imported on first use: numba is slow to load).
+
+:func:`sparq_query` is SparQ's query step (``ucm.sparse.gsa.sparq_query``). :func:`block_lse` computes, for each
+request, KV head and block of its table, the log-sum-exp over the block's tokens of the logits from ``C`` key
+components (see ``ucm.kernels.sparq_scores``), in one pass over the keys with no intermediate tensor. It first checks
+every block id against the cache (it reads memory unchecked), then per request sorts the blocks by id and walks them
+in that (memory) order, a tile of blocks at a time:
+
+1. gather: for each block of the tile, KV head and chosen component, the component's run of ``block_size`` keys
+   (contiguous in vLLM's CPU_ATTN layout) is widened to fp32 (bf16: a 16-bit shift) into a scratch tile
+   ``[num_kv_heads, C, tile tokens]``, while the same run of the next block is prefetched (LLVM's
+   ``llvm.prefetch``). The runs are scattered (16 of 64 components is 16 separate cache lines per block and head at
+   32-token blocks), so without the prefetch the loop waits on one line at a time: on this repo's 2-core AMD EPYC,
+   1 thread, 49K runs of 64 bytes after the cache was flushed, 1.76 ms without and 0.81-0.93 ms with a prefetch
+   16 to 64 runs ahead (one block ahead, as here, is 48 runs for SmolLM2's 3 KV heads at 16 components; torch's
+   ``index_select`` of the same runs: 1.61 ms);
+2. logits: for each query head, ``sum_c q[c] * K[c, :]`` over the tile's tokens, one long vectorized loop per
+   component;
+3. log-sum-exp per block and query head: one max over the tile, ``exp(x - max)`` over the tile in one vectorized
+   loop, a sum per block; a block whose sum underflows (its logits all below the tile's max by more than ~69) is
+   redone with its own max, as is the row's last block (its tokens past ``seq_lens`` masked).
+
+``exp`` is evaluated in the loop as ``2^n * p(r)`` (``n = round(x / ln 2)``, ``r = x - n ln 2`` in two parts, ``p`` a
+degree-5 polynomial fitted by least squares to ``exp`` on ``[-ln2/2, ln2/2]`` for this file: relative error
+1.1e-7, at the level of fp32 rounding), because numba's ``np.exp`` is a scalar libm call that LLVM does not
+vectorize (4.3 ns a value against 0.15 ns here). Inputs to ``exp`` are ``<= 0`` and clamped at ``-87`` (so ``2^n``
+stays a normal float). Results agree with the torch path to fp32 rounding, not bit for bit (the component sums and
+``exp`` differ), as between the torch and Triton paths.
+
+Single-threaded, ``nogil=True``; not ``parallel=True`` (see ``ucm.kernels._numba_copy``: numba's threading layer
+disturbs vLLM's OpenMP state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693145751953125)  # ln 2 = _LN2_HI + _LN2_LO; n * _LN2_HI is exact for |n| < 2^10
+_LN2_LO = np.float32(1.4286068202862268e-06)
+_FLOOR = np.float32(-87.0)  # exp(-87) ~ 1.6e-38: still a normal float
+_TINY = np.float32(1e-30)  # a block sum below this is redone with the block's own max
+# exp(r) ~ sum_k _P[k] r^k on [-ln2/2, ln2/2]: least-squares fit at 2000 Chebyshev nodes (numpy polyfit, float64).
+_P0 = np.float32(1.0000001192092896)
+_P1 = np.float32(1.0)
+_P2 = np.float32(0.4999886751174927)
+_P3 = np.float32(0.16666415333747864)
+_P4 = np.float32(0.04191756993532181)
+_P5 = np.float32(0.008375135250389576)
+_LINE = 64  # bytes per cache line
+# The intrinsic's name carries its pointer type: ``p0`` since LLVM 15's opaque pointers, ``p0i8`` before.
+_PREFETCH = "llvm.prefetch.p0" if llvm.llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def _prefetch(typingctx: Any, arr: Any, index: Any) -> Any:
+    """Hint the CPU to fetch ``arr[index]``'s cache line for reading (``llvm.prefetch``, locality 3); no effect on
+    results, and no fault for any index (a prefetch never traps)."""
+    sig = types.void(arr, index)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(fastmath=True, nogil=True, cache=True)
+def _exp_shifted(x: np.ndarray, m: np.float32, e: np.ndarray, e_bits: np.ndarray) -> None:  # pragma: no cover
+    """``e[t] = exp(max(x[t] - m, -87))`` for every ``t``; ``e_bits`` is ``e`` viewed as int32 (two loops: the
+    polynomial, then ``2^n`` added to the exponent bits, both vectorized)."""
+    for t in range(x.shape[0]):
+        v = max(x[t] - m, _FLOOR)
+        n = np.floor(v * _LOG2E + np.float32(0.5))
+        r = (v - n * _LN2_HI) - n * _LN2_LO
+        e[t] = ((((_P5 * r + _P4) * r + _P3) * r + _P2) * r + _P1) * r + _P0
+    for t in range(x.shape[0]):
+        v = max(x[t] - m, _FLOOR)
+        e_bits[t] += np.int32(np.floor(v * _LOG2E + np.float32(0.5))) << 23
+
+
+@numba.njit(fastmath=True, nogil=True, cache=True)
+def _lse_own_max(x: np.ndarray, e: np.ndarray, e_bits: np.ndarray) -> np.float32:  # pragma: no cover
+    """``log(sum(exp(x)))`` over all of ``x`` (non-empty), shifted by its own max; ``e``/``e_bits``: scratch of
+    ``x``'s length."""
+    m = x[0]
+    for t in range(1, x.shape[0]):
+        m = max(m, x[t])
+    _exp_shifted(x, m, e, e_bits)
+    s = np.float32(0.0)
+    for t in range(x.shape[0]):
+        s += e[t]
+    return m + np.log(s)
+
+
+@numba.njit(nogil=True, cache=True)
+def sparq_query(  # pragma: no cover - compiled
+    query: np.ndarray, num_kv_heads: int, scale: float, q_r: np.ndarray, channels: np.ndarray
+) -> None:
+    """``ucm.sparse.gsa.sparq_query`` (SparQ step 1 with its temperature) for float32 ``query`` ``[R, HQ, D]``: per
+    row and KV head, the ``C`` components of largest ``|q|`` summed over the KV head's query heads into
+    ``channels`` (int64 ``[R, H, C]``; ties to the lower component), and each query head's values there times
+    ``scale / sqrt(|q_r|_1 / |q|_1)`` into ``q_r`` (float32 ``[R, HQ, C]``)."""
+    nr, hq, d = query.shape
+    nc = channels.shape[2]
+    group = hq // num_kv_heads
+    mag = np.empty(d, np.float32)
+    for i in range(nr):
+        for h in range(num_kv_heads):
+            mag[:] = 0.0
+            for g in range(group):
+                for x in range(d):
+                    mag[x] += abs(query[i, h * group + g, x])
+            order = np.argsort(-mag, kind="mergesort")
+            for c in range(nc):
+                channels[i, h, c] = order[c]
+            for g in range(group):
+                j = h * group + g
+                total = np.float32(0.0)
+                for x in range(d):
+                    total += abs(query[i, j, x])
+                kept = np.float32(0.0)
+                for c in range(nc):
+                    kept += abs(query[i, j, order[c]])
+                share = max(kept / max(total, np.float32(1e-30)), np.float32(1e-30))
+                factor = np.float32(scale) / np.sqrt(share)
+                for c in range(nc):
+                    q_r[i, j, c] = query[i, j, order[c]] * factor
+
+
+@numba.njit(fastmath=True, nogil=True, cache=True)
+def block_lse(  # pragma: no cover - compiled
+    q: np.ndarray,
+    channels: np.ndarray,
+    words: np.ndarray,
+    shift: np.uint32,
+    s0: int,
+    s1: int,
+    s3: int,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    cache_blocks: int,
+    tile_blocks: int,
+    out: np.ndarray,
+) -> int:
+    """Fill ``out[r, j, w]`` for each row's blocks ``w < ceil(seq_lens[r] / block_size)`` (see the module doc);
+    other entries untouched. Returns 0, or -1 without reading any key when a row names a block outside
+    ``[0, cache_blocks)``.
+
+    Args:
+        q: float32 ``[R, HQ, C]``; channels: int64 ``[R, H, C]``.
+        words: the keys' storage from their first element, 1-D, as ``uint16`` (bf16, ``shift`` 16) or ``uint32``
+            (fp32, ``shift`` 0); key ``[b, h, t, c]`` is ``words[b * s0 + h * s1 + t + c * s3]``.
+        block_table: int32/int64 ``[R, W]``; seq_lens: int64 ``[R]``; block_size: tokens per block;
+        cache_blocks: blocks in the paged cache; tile_blocks: blocks per tile.
+        out: float32 ``[R, HQ, W]``.
+    """
+    nr = q.shape[0]
+    for i in range(nr):
+        for w in range((seq_lens[i] + block_size - 1) // block_size):
+            if block_table[i, w] < 0 or block_table[i, w] >= cache_blocks:
+                return -1
+    hq, nc = q.shape[1], q.shape[2]
+    nh = channels.shape[1]
+    group = hq // nh
+    span = tile_blocks * block_size
+    tile_bits = np.empty(nh * nc * span, np.uint32)
+    tile = tile_bits.view(np.float32)
+    logits = np.empty(group * span, np.float32)
+    e = np.empty(span, np.float32)
+    e_bits = e.view(np.int32)
+    per_line = max(1, _LINE // words.itemsize)
+    for i in range(nr):
+        nb = (seq_lens[i] + block_size - 1) // block_size
+        cols = np.argsort(block_table[i, :nb])  # ascending block id (memory) order
+        ids = np.empty(nb, np.int64)
+        for k in range(nb):
+            ids[k] = block_table[i, cols[k]]
+        last_col = nb - 1
+        for k0 in range(0, nb, tile_blocks):
+            kn = min(tile_blocks, nb - k0)
+            tl = kn * block_size
+            # 1. gather the tile's runs, prefetching the next block's
+            for kk in range(kn):
+                base = ids[k0 + kk] * s0
+                ahead = k0 + kk + 1 < nb
+                nxt = ids[min(k0 + kk + 1, nb - 1)] * s0
+                for h in range(nh):
+                    for c in range(nc):
+                        off = h * s1 + channels[i, h, c] * s3
+                        if ahead:
+                            for p in range(0, block_size, per_line):
+                                _prefetch(words, nxt + off + p)
+                        src = words[base + off : base + off + block_size]
+                        lo = (h * nc + c) * span + kk * block_size
+                        dst = tile_bits[lo : lo + block_size]
+                        for t in range(block_size):
+                            dst[t] = np.uint32(src[t]) << shift
+            for h in range(nh):
+                # 2. logits of the KV head's query heads over the tile
+                for g in range(group):
+                    acc = logits[g * span : g * span + tl]
+                    qv = q[i, h * group + g, 0]
+                    kv = tile[h * nc * span : h * nc * span + tl]
+                    for t in range(tl):
+                        acc[t] = qv * kv[t]
+                    for c in range(1, nc):
+                        qv = q[i, h * group + g, c]
+                        kv = tile[(h * nc + c) * span : (h * nc + c) * span + tl]
+                        for t in range(tl):
+                            acc[t] += qv * kv[t]
+                # 3. log-sum-exp per block
+                for g in range(group):
+                    acc = logits[g * span : g * span + tl]
+                    top = np.float32(-3.0e38)  # the max over the tile's full blocks (the last is redone alone)
+                    for kk in range(kn):
+                        if cols[k0 + kk] != last_col:
+                            for t in range(kk * block_size, (kk + 1) * block_size):
+                                top = max(top, acc[t])
+                    _exp_shifted(acc, top, e[:tl], e_bits[:tl])
+                    for kk in range(kn):
+                        col = cols[k0 + kk]
+                        lo = kk * block_size
+                        if col == last_col:
+                            count = seq_lens[i] - col * block_size
+                            lse = _lse_own_max(acc[lo : lo + count], e[lo : lo + count], e_bits[lo : lo + count])
+                        else:
+                            s = np.float32(0.0)
+                            for t in range(lo, lo + block_size):
+                                s += e[t]
+                            if s < _TINY:
+                                lse = _lse_own_max(
+                                    acc[lo : lo + block_size], e[lo : lo + block_size], e_bits[lo : lo + block_size]
+                                )
+                            else:
+                                lse = top + np.log(s)
+                        out[i, h * group + g, col] = lse
+    return 0
