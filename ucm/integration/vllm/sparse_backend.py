@@ -158,7 +158,7 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         self._method = method
         model_config = get_current_vllm_config().model_config
-        if model_config is not None:
+        if model_config is not None and isinstance(model_config.dtype, torch.dtype):  # resolved from "auto" by now
             _warm_up(method, model_config.dtype)
 
     def forward(
