@@ -32,6 +32,7 @@ test: lint
 
 bench: setup
 	$(PY) benchmarks/e2e_ttft.py --models-dir $(MODELS_DIR)
+	$(PY) benchmarks/storage_hits.py --models-dir $(MODELS_DIR)
 	$(PY) benchmarks/store_bandwidth.py
 
 clean-store:

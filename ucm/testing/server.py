@@ -140,6 +140,10 @@ class _Process:
         """True while the process runs."""
         return self.proc.poll() is None
 
+    def pids(self) -> list[int]:
+        """The process group's processes now (the server and the engine processes it started)."""
+        return _group_pids(self.proc.pid)
+
     def stop(self, timeout_s: float = 60.0) -> str:
         """SIGTERM the process group (graceful), wait (SIGKILL after ``timeout_s``); return the log."""
         if self.proc.poll() is None:
