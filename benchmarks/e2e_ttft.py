@@ -58,7 +58,10 @@ run uses the same layout.
 How to read it: ``*_over_inmemory_hit`` near 1 means UCM serves the prefix about as fast as vLLM's own in-memory
 cache; ``recompute_over_storage_hit`` is the speed-up of a restart with UCM over recomputing; ``cold_overhead`` near
 1 means UCM costs nothing when it misses. Numbers are from one machine and one run: small models on few CPU cores
-make fixed per-request costs weigh heavily. The last line printed is a JSON object with every number.
+make fixed per-request costs weigh heavily. The restart rows give one sample per restart, so their ratios
+(``layerwise_over_blockwise``, ``compressed_over_uncompressed``) carry the noise of a few restarts; for those
+comparisons ``benchmarks/storage_hits.py`` measures a long-running server's storage hits in paired rounds. The last
+line printed is a JSON object with every number.
 """
 
 from __future__ import annotations
