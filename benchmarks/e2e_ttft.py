@@ -122,7 +122,7 @@ def build_prompts(model_dir: Path, prompt_tokens: int, turns: int, turn_tokens: 
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     needed = 2 * prompt_tokens + (turns - 1) * turn_tokens
-    ids = tokenizer.encode(real_text(min_chars=6 * needed), add_special_tokens=False)
+    ids = tokenizer.encode(real_text(min_chars=6 * needed), add_special_tokens=False, verbose=False)
     if len(ids) < needed:
         raise SystemExit(f"only {len(ids)} tokens of real text on this machine; {needed} needed")
     main = tokenizer.decode(ids[:prompt_tokens])

@@ -37,8 +37,10 @@ Reported (the last line printed is a JSON object): per variant the median TTFT (
 streaming request to its first token), the quartiles and every sample; per UCM variant the ratio to the reference
 (``--reference``, default ``blockwise``) as the median over rounds of the per-round ratio, with a 95% bootstrap
 confidence interval (10,000 resamples of the rounds) and the number of rounds it was below 1. A ratio whose whole
-interval lies below 1 is a measured speed-up; an interval that contains 1 is a tie at this noise level. Also per
-variant the median disk read per request (MB) and the idle CPU fraction just before the requests.
+interval lies below 1 is a measured speed-up; an interval that contains 1 is a tie at this noise level. The median
+of the per-round ratios can fall on the other side of 1 than the ratio of the two medians (a few slow rounds move
+one variant's median but not the paired ratios); the paired figure is the one that cancels the machine's drift.
+Also per variant the median disk read per request (MB) and the idle CPU fraction just before the requests.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def build_prompts(model_dir: Path, count: int, tokens: int, rounds: int, suffix_
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     needed = count * tokens + rounds * suffix_tokens
-    ids = tokenizer.encode(real_text(min_chars=6 * needed), add_special_tokens=False)
+    # verbose=False: the source text is longer than the model's context; only cuts of it are prompts
+    ids = tokenizer.encode(real_text(min_chars=6 * needed), add_special_tokens=False, verbose=False)
     if len(ids) < needed:
         raise SystemExit(f"only {len(ids)} tokens of real text on this machine; {needed} needed")
     prompts = [
@@ -258,9 +261,12 @@ def summarize(variants: list[Variant], reference: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Storage-hit TTFT of UCM store variants, interleaved and paired.")
+    p = argparse.ArgumentParser(
+        description="Storage-hit TTFT of UCM store variants, interleaved and paired.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--models-dir", default="models", help="where the demo model is (built there if missing)")
-    p.add_argument("--model", default=None, help="another model directory (default: SmolLM2 in --models-dir)")
+    p.add_argument("--model", default=None, help="another model directory; None: SmolLM2 in --models-dir")
     p.add_argument(
         "--page-cache",
         choices=("auto", "drop_caches", "fadvise_dontneed"),
@@ -322,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                 extra_args=["--no-enable-prefix-caching"],
             )  # fmt: skip
             variants.append(Variant(name, server))
-        print(f"[storage_hits] starting {len(variants)} servers (logs in {tmp}) ...", file=sys.stderr, flush=True)
+        kept = "kept" if args.keep_logs else "removed at the end; --keep-logs keeps them"
+        print(
+            f"[storage_hits] starting {len(variants)} servers (logs in {tmp}, {kept}) ...", file=sys.stderr, flush=True
+        )
         for v in variants:
             v.server.wait_ready()
         # Fill: every prompt once per server (UCM misses and dumps; also every server's one-time costs).
