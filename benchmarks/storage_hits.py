@@ -211,7 +211,7 @@ def bootstrap_median_ci(values: list[float], resamples: int = 10_000, seed: int 
 
 
 def measure(v: Variant, model: str, prompt: str, problems: list[str], label: str, args: argparse.Namespace) -> None:
-    """One storage-hit request on ``v``: drop the page cache, wait for idle CPUs, time the request, check the hit."""
+    """One storage-hit request on ``v``: empty the page cache, wait for idle CPUs, time the request, check the hit."""
     time.sleep(args.gap_s)  # the last server's engine processes stop polling
     evict_page_cache(args.page_cache, args.store_root)
     v.idle.append(wait_idle(args.min_idle, timeout_s=5.0))
