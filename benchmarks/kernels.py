@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ucm.kernels import KVLayout, gather_blocks, gather_layers, scatter_blocks
+from ucm.kernels.layouts import CPU_LAYOUTS
 
 MODELS = {"llama8b": (32, 8, 128), "qwen32b": (64, 8, 128)}  # layers, kv heads, head_dim
 BLOCK_SIZE = 128
@@ -59,7 +60,7 @@ def timed_pair(fns: Sequence[Callable[[], object]], device: torch.device, repeat
 
 
 def paged(layout: KVLayout, num_blocks: int, heads: int, dim: int) -> tuple[int, ...]:
-    if layout == KVLayout.CPU_ATTN:
+    if layout in CPU_LAYOUTS:
         return (num_blocks, heads, BLOCK_SIZE, 2 * dim)
     return (2, num_blocks, BLOCK_SIZE, heads, dim)
 
@@ -121,7 +122,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one small size per model (smoke run)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    layouts = [KVLayout.FLASH_NHD] if device.type == "cuda" else [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD]
+    layouts = [KVLayout.FLASH_NHD] if device.type == "cuda" else [*CPU_LAYOUTS, KVLayout.FLASH_NHD]
     sizes: dict[str, list[int]]
     if args.quick:
         sizes = {m: [16] for m in args.models}
@@ -136,11 +137,11 @@ def main() -> None:
         for n in sizes.get(model, []):
             for layout in layouts:
                 rows.extend(run_case(model, n, layout, device, args.repeats, args.impl))
-    print(f"{'op':16} {'layout':10} {'model':8} {'blocks':>6} {'MiB':>8} {'GB/s':>8} {'copy GB/s':>9} {'ratio':>6}")
+    print(f"{'op':16} {'layout':12} {'model':8} {'blocks':>6} {'MiB':>8} {'GB/s':>8} {'copy GB/s':>9} {'ratio':>6}")
     for r in rows:
         mib = int(r["bytes"]) / 2**20  # type: ignore[call-overload]
         print(
-            f"{r['op']:16} {r['layout']:10} {r['model']:8} {r['blocks']:>6} {mib:>8.1f} {r['gbps']:>8} "
+            f"{r['op']:16} {r['layout']:12} {r['model']:8} {r['blocks']:>6} {mib:>8.1f} {r['gbps']:>8} "
             f"{r['copy_gbps']:>9} {r['ratio']:>6}"
         )
     summary = {

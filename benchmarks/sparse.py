@@ -4,7 +4,7 @@ Run::
 
     PYTHONPATH=. .venv/bin/python benchmarks/sparse.py [--models-dir models] [--lengths 2048 6144]
         [--depths 0.25 0.5 0.75] [--fractions 0.7 0.5 0.3 0.1] [--block-scoring sparq [key_bounds ...]]
-        [--block-size 128]
+        [--block-size 128] [--isas auto [vec amx]]
         [--skip-engine] [--out results.json]
 
 Parts (the last line printed is a JSON object with every number):
@@ -30,7 +30,10 @@ Parts (the last line printed is a JSON object with every number):
    ``ascending``: in order, as a fresh engine allocates them). Shows how the attention itself scales with the
    fraction read, and what each scoring costs. ``--impls`` selects GSA's kernel implementations (``auto``: what
    the engine runs; ``numba``/``torch``: the two CPU paths of the ``sparq`` scoring); with more than one, each
-   variant is named ``<scoring>_<fraction>@<impl>``.
+   variant is named ``<scoring>_<fraction>@<impl>``. ``--isas`` picks vLLM's CPU attention kernel variants, each
+   with its own cache layout holding the same keys (``auto``: the one vLLM picks for bf16 here, ``amx`` on CPUs with
+   AMX tiles, where GSA reads the keys in ``KVLayout.CPU_ATTN_AMX``; ``vec``: ``KVLayout.CPU_ATTN``); with more than
+   one, names end in ``/<isa>``.
 
 Timings come from a shared 2-core machine: compare ratios within one run, not absolute numbers across runs.
 """
@@ -159,100 +162,132 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def kernel_isas(requested: list[str], block_size: int) -> list[str]:
+    """The CPU attention kernel variants of the kernel part: ``auto`` is the one vLLM picks here for bf16 (``amx`` on
+    a CPU with AMX tiles and 32-multiple blocks, else ``vec``/``vec16``); duplicates dropped, order kept.
+
+    Raises:
+        ValueError: ``amx`` without AMX tiles, or ``amx``/``vec`` with a block size not a multiple of 32.
+    """
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    out: list[str] = []
+    for isa in requested:
+        if isa == "auto":
+            isa = _get_attn_isa(torch.bfloat16, block_size, 64)
+        elif block_size % 32:
+            raise ValueError(f"--isas {isa} needs --block-size a multiple of 32, got {block_size}")
+        elif isa == "amx" and not torch.cpu._is_amx_tile_supported():
+            raise ValueError("--isas amx needs a CPU with AMX tiles (vLLM's amx attention kernel uses them)")
+        if isa not in out:
+            out.append(isa)
+    return out
+
+
 def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
     from ucm.config import GSAConfig
-    from ucm.integration.vllm.sparse_backend import sparse_cpu_metadata
+    from ucm.integration.vllm.sparse_backend import layout_of_isa, sparse_cpu_metadata
+    from ucm.kernels.layouts import cpu_attn_kv_views
     from ucm.sparse import GSA
 
     # One thread: on a shared machine, OpenMP workers spin-waiting for busy cores make multi-thread timings noise.
     torch.set_num_threads(args.kernel_threads)
     heads, kv_heads, dim, bs, dtype = 9, 3, 64, args.block_size, torch.bfloat16
     scale = dim**-0.5
-    isa = _get_attn_isa(dtype, bs, dim)
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "isa": isa, "contexts": {}}
+    isas = kernel_isas(args.isas, bs)
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "isa": isas[0] if len(isas) == 1 else isas}
+    out["contexts"] = {}
     for ctx in args.kernel_contexts:
         nb = math.ceil(ctx / bs)
         g = torch.Generator().manual_seed(0)
-        kv_cache = torch.randn((nb, kv_heads, bs, 2 * dim), generator=g).to(dtype)
-        key_cache, value_cache = kv_cache.view(nb, kv_heads, 2 * bs, dim).chunk(2, dim=2)
+        k_canonical = torch.randn((nb, bs, kv_heads, dim), generator=g).to(dtype)  # the same keys for every isa
+        v_canonical = torch.randn((nb, bs, kv_heads, dim), generator=g).to(dtype)
         query = torch.randn((1, heads, dim), generator=g).to(dtype)
         qsl = torch.tensor([0, 1], dtype=torch.int32)
         seq_lens = torch.tensor([ctx], dtype=torch.int32)
         ids = torch.randperm(nb, generator=g) if args.block_table == "shuffled" else torch.arange(nb)
         table = ids.to(torch.int32)[None]
-
-        def sched(lens: torch.Tensor, qsl: torch.Tensor = qsl) -> torch.Tensor:
-            return ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=1,
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=dim,
-                seq_lens=lens,
-                dtype=dtype,
-                query_start_loc=qsl,
-                causal=True,
-                sliding_window_size=-1,
-                isa=isa,
-                enable_kv_split=False,
-            )
-
-        md = CPUAttentionMetadata(
-            num_actual_tokens=1,
-            max_query_len=1,
-            query_start_loc=qsl,
-            max_seq_len=ctx,
-            seq_lens=seq_lens,
-            block_table=table,
-            slot_mapping=torch.tensor([-1]),
-            scheduler_metadata=sched(seq_lens),
-        )
-
-        def attend(m: CPUAttentionMetadata, query=query, key_cache=key_cache, value_cache=value_cache) -> None:
-            o = torch.empty_like(query)
-            ops.cpu_attention_with_kv_cache(
-                query=query,
-                key_cache=key_cache,
-                value_cache=value_cache,
-                output=o,
-                query_start_loc=m.query_start_loc,
-                seq_lens=m.seq_lens,
-                scale=scale,
-                causal=True,
-                alibi_slopes=None,
-                sliding_window=-1,
-                block_table=m.block_table,
-                softcap=0,
-                scheduler_metadata=m.scheduler_metadata,
-                s_aux=None,
-            )
-
         # Every variant once per round, rounds repeated: load changes on a shared machine hit all variants alike.
-        variants: dict[str, Any] = {"dense_attend": lambda md=md: attend(md)}
+        variants: dict[str, Any] = {}
         row: dict[str, Any] = {"blocks": nb}
-        tag = len(args.impls) > 1
-        configs = [
-            (f"{scoring}_{f}" + (f"@{impl}" if tag else ""), scoring, f, impl)
-            for scoring in args.block_scoring
-            for f in args.fractions
-            for impl in args.impls
-        ]
-        for name, scoring, f, impl in configs:
-            method = GSA(GSAConfig(sparse_ratio=f, block_scoring=scoring), impl=impl)
-            summaries = method.new_summaries(nb, kv_heads, dim, kv_cache.device)
+        configs: list[tuple[str, str]] = []  # (variant name, its isa's suffix)
+        for isa in isas:
+            suffix = f"/{isa}" if len(isas) > 1 else ""
+            kv_cache = torch.empty((nb, kv_heads, bs, 2 * dim), dtype=dtype)
+            k_view, v_view = cpu_attn_kv_views(kv_cache, layout_of_isa(isa))
+            k_view.copy_(k_canonical.view(nb, *k_view.shape[1:]))
+            v_view.copy_(v_canonical.view(nb, *v_view.shape[1:]))
+            key_cache, value_cache = kv_cache.view(nb, kv_heads, 2 * bs, dim).chunk(2, dim=2)
 
-            def select(method=method, summaries=summaries, md=md, query=query, kv_cache=kv_cache):
-                return sparse_cpu_metadata(
-                    method, summaries, md, query, kv_cache, isa=isa, num_heads=heads, scale=scale
+            def sched(lens: torch.Tensor, qsl: torch.Tensor = qsl, isa: str = isa) -> torch.Tensor:
+                return ops.cpu_attn_get_scheduler_metadata(
+                    num_reqs=1,
+                    num_heads=heads,
+                    num_kv_heads=kv_heads,
+                    head_dim=dim,
+                    seq_lens=lens,
+                    dtype=dtype,
+                    query_start_loc=qsl,
+                    causal=True,
+                    sliding_window_size=-1,
+                    isa=isa,
+                    enable_kv_split=False,
                 )
 
-            sparse_md = select()  # computes every block's summary once (what decode amortizes)
-            row[name] = {"kept_blocks": math.ceil(int(sparse_md.seq_lens[0]) / bs)}
-            variants[f"{name}.select"] = select
-            variants[f"{name}.attend"] = lambda m=sparse_md: attend(m)
+            md = CPUAttentionMetadata(
+                num_actual_tokens=1,
+                max_query_len=1,
+                query_start_loc=qsl,
+                max_seq_len=ctx,
+                seq_lens=seq_lens,
+                block_table=table,
+                slot_mapping=torch.tensor([-1]),
+                scheduler_metadata=sched(seq_lens),
+            )
+
+            def attend(m: CPUAttentionMetadata, query=query, key_cache=key_cache, value_cache=value_cache) -> None:
+                o = torch.empty_like(query)
+                ops.cpu_attention_with_kv_cache(
+                    query=query,
+                    key_cache=key_cache,
+                    value_cache=value_cache,
+                    output=o,
+                    query_start_loc=m.query_start_loc,
+                    seq_lens=m.seq_lens,
+                    scale=scale,
+                    causal=True,
+                    alibi_slopes=None,
+                    sliding_window=-1,
+                    block_table=m.block_table,
+                    softcap=0,
+                    scheduler_metadata=m.scheduler_metadata,
+                    s_aux=None,
+                )
+
+            variants[f"dense_attend{suffix}"] = lambda md=md, attend=attend: attend(md)
+            tag = len(args.impls) > 1
+            for scoring in args.block_scoring:
+                for f in args.fractions:
+                    for impl in args.impls:
+                        name = f"{scoring}_{f}" + (f"@{impl}" if tag else "") + suffix
+                        method = GSA(GSAConfig(sparse_ratio=f, block_scoring=scoring), impl=impl)
+                        summaries = method.new_summaries(nb, kv_heads, dim, kv_cache.device)
+
+                        def select(method=method, summaries=summaries, md=md, query=query, kv_cache=kv_cache, isa=isa):
+                            return sparse_cpu_metadata(
+                                method, summaries, md, query, kv_cache, isa=isa, num_heads=heads, scale=scale
+                            )
+
+                        sparse_md = select()  # computes every block's summary once (what decode amortizes)
+                        row[name] = {"kept_blocks": math.ceil(int(sparse_md.seq_lens[0]) / bs)}
+                        variants[f"{name}.select"] = select
+                        variants[f"{name}.attend"] = lambda m=sparse_md, attend=attend: attend(m)
+                        configs.append((name, suffix))
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats + 1):
             for name, fn in variants.items():
@@ -260,8 +295,10 @@ def run_kernel(args: argparse.Namespace) -> dict[str, Any]:
                 fn()
                 times[name].append((time.perf_counter() - t0) * 1e3)
         med = {name: statistics.median(t[1:]) for name, t in times.items()}  # round 0 is a warm-up
-        row["dense_attend_ms"] = med["dense_attend"]
-        for name, *_ in configs:
+        for isa in isas:
+            suffix = f"/{isa}" if len(isas) > 1 else ""
+            row[f"dense_attend_ms{suffix}"] = med[f"dense_attend{suffix}"]
+        for name, _suffix in configs:
             row[name]["select_ms"] = med[f"{name}.select"]
             row[name]["attend_ms"] = med[f"{name}.attend"]
         out["contexts"][str(ctx)] = row
@@ -293,6 +330,15 @@ def main() -> None:
         default=["auto"],
         choices=["auto", "numba", "torch"],
         help="GSA kernel implementations compared in the kernel part (numba: sparq scoring only)",
+    )
+    parser.add_argument(
+        "--isas",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "vec", "amx"],
+        help="vLLM CPU attention kernel variants (and so KV layouts) of the kernel part: auto is vLLM's pick for bf16 "
+        "here (amx with AMX tiles: keys in CPU_ATTN_AMX; else vec: CPU_ATTN); with more than one, each variant is "
+        "named <scoring>_<fraction>[@<impl>]/<isa>",
     )
     parser.add_argument("--skip-engine", action="store_true", help="only the in-process attention kernel part")
     parser.add_argument("--out", default=None)

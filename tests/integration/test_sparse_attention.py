@@ -5,6 +5,9 @@ one), a batch mixing decode rows (one query each: sparse) and a prefill chunk (d
 builder builds it, then ``sparse_cpu_metadata`` and ``cpu_attention_with_kv_cache``. The reference attends, in
 float64, to exactly the tokens of the blocks the selection names, so a wrong block id, a wrong length (partial last
 block) or wrong scheduler metadata fails it.
+
+The kernel variant is the one vLLM picks here (``_get_attn_isa``): fp32 runs ``vec``; bf16 runs ``amx`` on a CPU with
+AMX tiles (keys read as ``KVLayout.CPU_ATTN_AMX``) and ``vec`` elsewhere.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
 
-from ucm.config import GSAConfig
-from ucm.integration.vllm.sparse_backend import sparse_cpu_metadata
-from ucm.kernels.block_summaries import paged_keys
+from ucm.config import GSAConfig, UcmConfigError
+from ucm.integration.vllm.sparse_backend import layout_of_isa, sparse_cpu_metadata
 from ucm.kernels.layouts import KVLayout
+from ucm.kernels.paged_keys import paged_keys
 from ucm.sparse import GSA
 from ucm.sparse.gsa import select_reference
 
@@ -29,6 +32,7 @@ SEQ_LENS = [700, 300, 420, 97]  # decode, decode, prefill chunk of 6, decode (be
 QUERY_LENS = [1, 1, 6, 1]
 SCALE = HEAD_DIM**-0.5
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+HAS_AMX = torch.cpu._is_amx_tile_supported()
 
 
 def _setup(dtype: torch.dtype, seed: int = 0):
@@ -53,6 +57,7 @@ def _setup(dtype: torch.dtype, seed: int = 0):
         pos = torch.arange(n)
         slots.append(table[r, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
     isa = _get_attn_isa(dtype, BLOCK_SIZE, HEAD_DIM)
+    assert isa == ("amx" if HAS_AMX and dtype == torch.bfloat16 else "vec")  # what this test covers
     kv_cache = torch.zeros((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM), dtype=dtype)
     key_cache, value_cache = kv_cache.view(NUM_BLOCKS, KV_HEADS, 2 * BLOCK_SIZE, HEAD_DIM).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(
@@ -140,7 +145,7 @@ def test_kernel_over_selection_equals_restricted_dense(dtype: torch.dtype, ratio
     starts = md.query_start_loc.tolist()
     want_sel = select_reference(
         query[[starts[r] for r in decode_rows]],
-        _keys_view(kv_cache),
+        paged_keys(kv_cache, layout_of_isa(isa)),
         md.block_table[decode_rows],
         md.seq_lens[decode_rows],
         SCALE,
@@ -164,8 +169,59 @@ def test_kernel_over_selection_equals_restricted_dense(dtype: torch.dtype, ratio
         torch.testing.assert_close(got[starts[r] : starts[r + 1]].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def _keys_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    return paged_keys(kv_cache, KVLayout.CPU_ATTN)
+@pytest.mark.parametrize("block_scoring", ["attention", "sparq"])
+def test_other_scorings_through_the_kernel(block_scoring: str) -> None:
+    """The other scorings (their own oracles are in ``tests/sparse``) read this machine's layout too: in bf16 (amx
+    where AMX exists) they keep whole blocks, the last one included, and the kernel over the selection equals the
+    restricted dense reference."""
+    kv_cache, key_cache, value_cache, query, md, k_all, v_all, isa = _setup(torch.bfloat16)
+    method = GSA(GSAConfig(sparse_ratio=0.3, min_blocks=4, block_scoring=block_scoring))
+    summaries = method.new_summaries(NUM_BLOCKS, KV_HEADS, HEAD_DIM, kv_cache.device)
+    sparse = sparse_cpu_metadata(method, summaries, md, query, kv_cache, isa=isa, num_heads=HEADS, scale=SCALE)
+    got = _attend(sparse, query, key_cache, value_cache)
+    starts = md.query_start_loc.tolist()
+    for r, n in enumerate(SEQ_LENS):
+        nb = math.ceil(n / BLOCK_SIZE)
+        kept_phys = sparse.block_table[r, : math.ceil(int(sparse.seq_lens[r]) / BLOCK_SIZE)].tolist()
+        dense = md.block_table[r, :nb].tolist()
+        assert kept_phys[-1] == dense[-1] and set(kept_phys) <= set(dense)
+        if QUERY_LENS[r] == 1 and nb >= 4:
+            assert len(kept_phys) < nb
+        logical = [dense.index(b) for b in kept_phys]
+        tokens = torch.cat([torch.arange(w * BLOCK_SIZE, min((w + 1) * BLOCK_SIZE, n)) for w in logical])
+        want = _reference(query[starts[r] : starts[r + 1]], k_all[r], v_all[r], tokens, n)
+        tol = TOL[torch.bfloat16]
+        torch.testing.assert_close(got[starts[r] : starts[r + 1]].double(), want, rtol=tol, atol=tol)
+
+
+def test_warm_up_layout_is_the_one_vllm_will_pick() -> None:
+    """At layer construction the wrapper predicts the layout from vLLM's own isa choice (the builder sets
+    ``layer.isa`` later), so GSA's warm-up compiles for the cache the engine will have; unknown: no prediction."""
+    from types import SimpleNamespace
+
+    from ucm.integration.vllm.sparse_backend import _expected_layout
+
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK_SIZE))
+    amx = KVLayout.CPU_ATTN_AMX if HAS_AMX else KVLayout.CPU_ATTN
+    assert _expected_layout(config, torch.bfloat16, HEAD_DIM) == amx
+    assert _expected_layout(config, torch.float32, HEAD_DIM) == KVLayout.CPU_ATTN
+    assert _expected_layout(config, torch.bfloat16, 80) == KVLayout.CPU_ATTN  # vec16
+    assert _expected_layout(SimpleNamespace(cache_config=SimpleNamespace(block_size=None)), torch.float32, 64) is None
+
+
+def test_isa_layouts_and_refusal() -> None:
+    """vec/vec16 read as CPU_ATTN, amx as CPU_ATTN_AMX; any other kernel variant is refused with an error naming it
+    and the verified ones, before anything is read."""
+    assert layout_of_isa("vec") == layout_of_isa("vec16") == KVLayout.CPU_ATTN
+    assert layout_of_isa("amx") == KVLayout.CPU_ATTN_AMX
+    kv_cache, _, _, query, md, *_rest = _setup(torch.float32)
+    method = GSA(GSAConfig())
+    summaries = method.new_summaries(NUM_BLOCKS, KV_HEADS, HEAD_DIM, kv_cache.device)
+    for isa in ("neon", None):
+        with pytest.raises(
+            UcmConfigError, match=rf"kernel variant {isa!r} here; .* only for \['vec', 'vec16', 'amx'\]"
+        ):
+            sparse_cpu_metadata(method, summaries, md, query, kv_cache, isa=isa, num_heads=HEADS, scale=SCALE)
 
 
 def test_all_blocks_is_bitwise_dense() -> None:

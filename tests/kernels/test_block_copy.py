@@ -266,7 +266,8 @@ def test_cuda_offsets_past_2_31(layout: KVLayout) -> None:
 # -- lowering for sm_90 without a GPU ---------------------------------------------------------------------------------
 
 KERNEL_CASES = [
-    (lay, dtype, gather) for lay in ALL_LAYOUTS for dtype in ("i16", "u8", "i32") for gather in (True, False)
+    *((lay, dtype, gather) for lay in ALL_LAYOUTS for dtype in ("i16", "u8", "i32") for gather in (True, False)),
+    *((KVLayout.CPU_ATTN_AMX, "i16", gather) for gather in (True, False)),  # bf16 only
 ]
 
 
@@ -303,7 +304,7 @@ def test_kernel_compiles_for_sm90(layout: KVLayout, word: str, gather: bool) -> 
     # What a launch with 16-byte aligned tensors and strides divisible by 16 specializes to.
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}
     asm = compile_for_sm90(_block_copy_kernel, sig, const, attrs=aligned)
-    if layout != KVLayout.CPU_ATTN:
+    if layout not in (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX):
         assert "ld.global.v4" in asm["ptx"]
 
 

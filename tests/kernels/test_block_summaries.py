@@ -1,5 +1,6 @@
 """block_summaries (per-block key min/max from the paged cache): every implementation bit-exact against the naive
-reference, into NaN-poisoned tables, for CPU_ATTN and FLASH_NHD; the Triton kernel compiled for sm_90 on this CPU.
+reference, into NaN-poisoned tables, for CPU_ATTN, CPU_ATTN_AMX (tiled keys) and FLASH_NHD; the Triton kernel
+compiled for sm_90 on this CPU, for plain and tiled keys.
 
 Min and max never round, so bf16 inputs give exact fp32 results and ``torch.equal`` is the right comparison
 (NaN-poisoned rows that are not written must stay NaN; written rows must not).
@@ -8,6 +9,7 @@ Min and max never round, so bf16 inputs give exact fp32 results and ``torch.equa
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -19,10 +21,10 @@ from ucm.kernels.block_summaries import (
     _block_summaries_kernel,
     block_summaries,
     block_summaries_reference,
-    paged_keys,
     summaries_kernel_meta,
 )
-from ucm.kernels.layouts import KVLayout
+from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
+from ucm.kernels.paged_keys import paged_keys
 
 NUM_BLOCKS = 11
 # (block_size, num_kv_heads, head_dim): SmolLM2's, odd head dim, a non-power-of-two block size (FLASH_NHD only:
@@ -30,20 +32,32 @@ NUM_BLOCKS = 11
 SHAPES = [(32, 3, 64), (16, 2, 80), (48, 1, 40)]
 LAYOUTS = [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# CPU_ATTN_AMX (vLLM's amx variant): bf16 only, block_size and head_dim multiples of 32.
+AMX_SHAPES = [(32, 3, 64), (64, 2, 128)]
+AMX_DTYPES = [torch.bfloat16]
 IMPLS = ["torch", pytest.param("triton", marks=needs_interpreter)]  # Triton interpreter on CPU tensors
 IDS = [9, 0, 4, 10, 7]
+CPU_LAYOUTS = (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX)
+
+
+def _case(layout: KVLayout, shape: tuple[int, int, int], dtype: torch.dtype) -> Any:  # a pytest.param
+    bs, h, d = shape
+    return pytest.param(layout, shape, dtype, id=f"{layout.value}-bs{bs}-h{h}-d{d}-{str(dtype).split('.')[-1]}")
+
+
+# (layout, (block_size, num_kv_heads, head_dim), dtype)
+CASES = [_case(lay, s, dt) for lay in LAYOUTS for s in SHAPES for dt in DTYPES]
+CASES += [_case(KVLayout.CPU_ATTN_AMX, s, dt) for s in AMX_SHAPES for dt in AMX_DTYPES]
 
 
 def make_cache(layout: KVLayout, shape: tuple[int, int, int], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     bs, h, d = shape
     g = torch.Generator().manual_seed(seed)
-    full = (NUM_BLOCKS, h, bs, 2 * d) if layout == KVLayout.CPU_ATTN else (2, NUM_BLOCKS, bs, h, d)
+    full = (NUM_BLOCKS, h, bs, 2 * d) if layout in CPU_LAYOUTS else (2, NUM_BLOCKS, bs, h, d)
     return (torch.randn(full, generator=g) * 3).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"bs{s[0]}-h{s[1]}-d{s[2]}")
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.value)
+@pytest.mark.parametrize(("layout", "shape", "dtype"), CASES)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_matches_reference(impl: str, layout: KVLayout, shape: tuple, dtype: torch.dtype) -> None:
     bs, h, d = shape
@@ -59,14 +73,24 @@ def test_matches_reference(impl: str, layout: KVLayout, shape: tuple, dtype: tor
     assert kmin[untouched].isnan().all() and kmax[untouched].isnan().all()
 
 
-def test_keys_view_reads_the_cpu_layout() -> None:
-    """``paged_keys`` on CPU_ATTN: K stored transposed ``[head_dim, block_size]`` per (block, head)."""
-    bs, h, d = 32, 2, 8
-    cache = torch.arange(4 * h * bs * 2 * d, dtype=torch.float32).view(4, h, bs, 2 * d)
-    keys = paged_keys(cache, KVLayout.CPU_ATTN)
-    flat = cache.view(4, h, 2 * bs * d)
-    b, hh, t, dd = 3, 1, 5, 6
-    assert keys[b, hh, t, dd] == flat[b, hh, dd * bs + t]
+@pytest.mark.parametrize("impl", IMPLS)
+def test_amx_and_cpu_attn_give_the_same_bounds(impl: str) -> None:
+    """The same keys stored in CPU_ATTN and in CPU_ATTN_AMX (written through ``cpu_attn_kv_views``) give the same
+    bounds, bit for bit."""
+    bs, h, d = 64, 2, 128
+    want = torch.randn((NUM_BLOCKS, bs, h, d), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    ids = torch.tensor(IDS, dtype=torch.int64)
+    counts = torch.tensor([bs, 1, bs - 3, 17, bs], dtype=torch.int64)
+    got = []
+    for layout in CPU_LAYOUTS:
+        cache = torch.zeros((NUM_BLOCKS, h, bs, 2 * d), dtype=torch.bfloat16)
+        k, _ = cpu_attn_kv_views(cache, layout)
+        k.copy_(want.view(NUM_BLOCKS, *k.shape[1:]))
+        kmin, kmax = poisoned((NUM_BLOCKS, h, d), torch.float32), poisoned((NUM_BLOCKS, h, d), torch.float32)
+        block_summaries(paged_keys(cache, layout), ids, counts, kmin, kmax, impl=impl)
+        got.append((kmin[ids], kmax[ids]))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert torch.equal(got[0][0][2], want[IDS[2], : bs - 3].float().amin(dim=0))  # block 4: its first bs - 3 tokens
 
 
 def test_errors_name_the_bad_value() -> None:
@@ -81,25 +105,24 @@ def test_errors_name_the_bad_value() -> None:
         block_summaries(keys, ids, counts, table.half(), table.clone())
     with pytest.raises(ValueError, match="impl must be one of"):
         block_summaries(keys, ids, counts, table, table.clone(), impl="numba")
-    with pytest.raises(ValueError, match="layout 'mla' is not supported"):
-        paged_keys(torch.zeros((4, 16, 64)), KVLayout.MLA)
+    with pytest.raises(ValueError, match=r"keys must be plain .* got 3-D \(11, 3, 64\)"):
+        block_summaries(keys[:, :, 0], ids, counts, table, table.clone())
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 replaces @triton.jit")
-@pytest.mark.parametrize("word", ["bf16", "fp16", "fp32"])
-def test_kernel_compiles_for_sm90(word: str) -> None:
+@pytest.mark.parametrize(("word", "tiling"), [("bf16", "plain"), ("fp16", "plain"), ("fp32", "plain"), ("bf16", "amx")])
+def test_kernel_compiles_for_sm90(word: str, tiling: str) -> None:
     bs, h, d = 128, 8, 128
-    const = {"NUM_HEADS": h, "HEAD_DIM": d, "BLOCK_SIZE": bs, **summaries_kernel_meta(bs, d)}
+    tile_tokens, tile_dims = (bs, d) if tiling == "plain" else (16, 2)  # CPU_ATTN_AMX: 16-token tiles, dim pairs
+    const = {"NUM_HEADS": h, "HEAD_DIM": d, "BLOCK_SIZE": bs, **summaries_kernel_meta(bs, d, tile_tokens, tile_dims)}
+    strides = ["stride_b", "stride_h", "stride_tile_t", "stride_t", "stride_tile_d", "stride_d"]
     sig = {
         "k_ptr": f"*{word}",
         "ids_ptr": "*i64",
         "counts_ptr": "*i64",
         "kmin_ptr": "*fp32",
         "kmax_ptr": "*fp32",
-        "stride_b": "i64",
-        "stride_h": "i64",
-        "stride_t": "i64",
-        "stride_d": "i64",
+        **dict.fromkeys(strides, "i64"),
         **dict.fromkeys(const, "constexpr"),
     }
     compile_for_sm90(_block_summaries_kernel, sig, const)
@@ -112,7 +135,7 @@ def test_triton_cases_interpreted() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: native Triton runs only where a GPU exists")
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.value)
+@pytest.mark.parametrize("layout", [*LAYOUTS, KVLayout.CPU_ATTN_AMX], ids=lambda lay: lay.value)
 def test_native_triton_matches_reference(layout: KVLayout) -> None:
     bs, h, d = 128, 8, 128
     cache = make_cache(layout, (bs, h, d), torch.bfloat16)

@@ -1,6 +1,6 @@
 """sparq_scores (per-block log-sum-exp of logits from a few key components): every implementation against the naive
-reference (fp32 tolerance: the component sum is reordered), in vLLM's CPU and FlashAttention layouts, and the
-Triton kernel compiled for sm_90."""
+reference (fp32 tolerance: the component sum is reordered), in vLLM's CPU layouts (CPU_ATTN, CPU_ATTN_AMX: tiled
+keys) and FlashAttention's, and the Triton kernel compiled for sm_90 for plain and tiled keys."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import torch
 
 from tests.kernels.interp import INTERPRETED, needs_interpreter, run_interpreted
 from tests.kernels.sm90 import compile_for_sm90
-from ucm.kernels.block_summaries import paged_keys
-from ucm.kernels.layouts import KVLayout
+from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
+from ucm.kernels.paged_keys import paged_keys
 from ucm.kernels.sparq_scores import (
     _key_rows,
     _sparq_lse_kernel,
+    numba_applies,
     sparq_block_lse,
     sparq_block_lse_reference,
     sparq_kernel_meta,
@@ -25,8 +26,20 @@ NUM_BLOCKS = 23
 # (num_heads, num_kv_heads, head_dim, block_size): SmolLM2 at 32-token blocks, MHA with an odd head_dim and block
 # size, 8-way GQA at vLLM's CPU block size.
 SHAPES = [(9, 3, 64, 32), (4, 4, 40, 24), (8, 1, 128, 128)]
-SHAPE_IDS = [f"q{s[0]}-kv{s[1]}-d{s[2]}-bs{s[3]}" for s in SHAPES]
 LAYOUTS = [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD]
+# CPU_ATTN_AMX (vLLM's amx variant, bf16): block_size and head_dim multiples of 32.
+AMX_SHAPES = [(9, 3, 64, 32), (8, 2, 128, 64)]
+CPU_LAYOUTS = (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX)
+
+
+def shape_id(s: tuple[int, int, int, int]) -> str:
+    return f"q{s[0]}-kv{s[1]}-d{s[2]}-bs{s[3]}"
+
+
+SHAPE_IDS = [shape_id(s) for s in SHAPES]
+# (layout, shape): every shape in CPU_ATTN and FLASH_NHD, the amx-sized ones in CPU_ATTN_AMX.
+LAYOUT_SHAPES = [pytest.param(lay, s, id=f"{lay.value}-{shape_id(s)}") for lay in LAYOUTS for s in SHAPES]
+LAYOUT_SHAPES += [pytest.param(KVLayout.CPU_ATTN_AMX, s, id=f"cpu_attn_amx-{shape_id(s)}") for s in AMX_SHAPES]
 # (impl, components read): the interpreter runs each program's component loop in Python, so it gets fewer cases.
 CASES = [("torch", 1), ("torch", 16), ("torch", 40), ("numba", 1), ("numba", 16), ("numba", 40)]
 CASES += [pytest.param("triton", c, marks=needs_interpreter) for c in (3, 16)]  # interpreter on CPU tensors
@@ -37,7 +50,7 @@ def make_inputs(hq: int, h: int, d: int, bs: int, layout: KVLayout, channels: in
     """Paged bf16 keys in ``layout``, 3 rows over a shuffled table of width 6 (lengths: a partial last block, one
     block, the whole width), the chosen components and the (scaled) query values there."""
     g = torch.Generator().manual_seed(seed)
-    if layout == KVLayout.CPU_ATTN:
+    if layout in CPU_LAYOUTS:
         cache = torch.randn((NUM_BLOCKS, h, bs, 2 * d), generator=g).to(torch.bfloat16)
     else:
         cache = torch.randn((2, NUM_BLOCKS, bs, h, d), generator=g).to(torch.bfloat16)
@@ -51,12 +64,11 @@ def make_inputs(hq: int, h: int, d: int, bs: int, layout: KVLayout, channels: in
     return q, chans, keys, table, seq_lens
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize(("layout", "shape"), LAYOUT_SHAPES)
 @pytest.mark.parametrize(("impl", "channels"), CASES)
 def test_matches_reference(impl: str, channels: int, shape: tuple, layout: KVLayout) -> None:
     q, chans, keys, table, lens = make_inputs(*shape, layout, min(channels, shape[2]))
-    if impl == "numba" and layout != KVLayout.CPU_ATTN:  # tokens not contiguous: the numba kernel refuses
+    if impl == "numba" and layout not in CPU_LAYOUTS:  # tokens not contiguous nor in small tiles: numba refuses
         with pytest.raises(ValueError, match=r"impl='numba' takes CPU keys .* tokens are contiguous"):
             sparq_block_lse(q, chans, keys, table, lens, impl=impl)
         return
@@ -69,17 +81,21 @@ def test_matches_reference(impl: str, channels: int, shape: tuple, layout: KVLay
     torch.testing.assert_close(got[finite], want[finite], rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    ("layout", "dtype"),
+    [(KVLayout.CPU_ATTN, torch.bfloat16), (KVLayout.CPU_ATTN, torch.float32), (KVLayout.CPU_ATTN_AMX, torch.bfloat16)],
+    ids=["cpu_attn-bf16", "cpu_attn-fp32", "cpu_attn_amx-bf16"],
+)
 @pytest.mark.parametrize("block_size", [32, 128])
-def test_numba_over_many_tiles(dtype: torch.dtype, block_size: int) -> None:
+def test_numba_over_many_tiles(layout: KVLayout, dtype: torch.dtype, block_size: int) -> None:
     """The numba kernel over rows of many tiles (256 tokens each), with a partial last block in the middle of a tile,
     a row ending on a tile boundary, and a block whose logits lie far below the rest (its sum underflows against the
     tile's max and is redone with its own), in bf16 and fp32, against the reference."""
     h, hq, d, nb = 3, 9, 64, 80
     g = torch.Generator().manual_seed(1)
     cache = torch.randn((nb, h, block_size, 2 * d), generator=g).to(dtype)
-    keys = paged_keys(cache, KVLayout.CPU_ATTN)
-    keys[5] = keys[5] * 0 - 300.0  # block 5: every key -300 in every component
+    cpu_attn_kv_views(cache, layout)[0][5] = -300.0  # block 5: every key -300 in every component
+    keys = paged_keys(cache, layout)
     width = 37
     table = torch.randperm(nb, generator=g)[: 2 * width].view(2, width)
     table[0, 11] = 5
@@ -95,8 +111,9 @@ def test_numba_over_many_tiles(dtype: torch.dtype, block_size: int) -> None:
 
 
 def test_numba_is_the_cpu_default_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``impl="auto"`` on CPU: numba for CPU_ATTN keys (bf16, fp32), torch for fp16 or a layout without contiguous
-    tokens; an out-of-range block id is an error before the unchecked kernel runs."""
+    """``impl="auto"`` on CPU: numba for CPU_ATTN keys (bf16, fp32) and CPU_ATTN_AMX keys, torch for fp16 or a layout
+    whose tokens are neither contiguous nor in small tiles; an out-of-range block id is an error before the unchecked
+    kernel runs."""
     import ucm.kernels.sparq_scores as mod
 
     calls: list[str] = []
@@ -108,7 +125,8 @@ def test_numba_is_the_cpu_default_where_it_applies(monkeypatch: pytest.MonkeyPat
     sparq_block_lse(q, chans, keys.float(), table, lens)  # .float() keeps the strides: still CPU_ATTN
     sparq_block_lse(q, chans, keys.half(), table, lens)
     sparq_block_lse(q, chans, *make_inputs(9, 3, 64, 32, KVLayout.FLASH_NHD, 16)[2:4], lens)
-    assert calls == ["_lse_numba", "_lse_numba", "_lse_torch", "_lse_torch"]
+    sparq_block_lse(q, chans, *make_inputs(9, 3, 64, 32, KVLayout.CPU_ATTN_AMX, 16)[2:4], lens)
+    assert calls == ["_lse_numba", "_lse_numba", "_lse_torch", "_lse_torch", "_lse_numba"]
     bad = table.clone()
     bad[2, 3] = NUM_BLOCKS
     with pytest.raises(ValueError, match=rf"block_table names blocks in \[\d+, {NUM_BLOCKS}\]; the cache has"):
@@ -125,6 +143,65 @@ def test_cpu_layout_is_read_as_contiguous_runs() -> None:
     for b, h, c in [(0, 0, 0), (7, 2, 63), (NUM_BLOCKS - 1, 2, 63), (11, 1, 5)]:
         assert torch.equal(rows[(b * s0 + h * s1 + c * s3) // s3], keys[b, h, :, c])
     assert _key_rows(make_inputs(9, 3, 64, 32, KVLayout.FLASH_NHD, 16)[2]) is None
+    assert _key_rows(make_inputs(9, 3, 64, 32, KVLayout.CPU_ATTN_AMX, 16)[2]) is None  # tiled: the generic path
+
+
+# (dtype, tokens per tile TT, components per group TD, padding P) of hand-made tiled keys [nb, H, bs/TT, TT, D/TD, TD]
+# stored as [nb, H, bs/TT, D/TD, TT, TD + P] from element P on: a tile's run of one component is TT values at stride
+# TD + P. For the numba kernel, the first is CPU_ATTN_AMX's case (bf16 at stride 2, read as 32-bit words), the next
+# three take its general strided loop (the second: bf16 at stride 2 over an odd number of words); fp32 at stride 2
+# over 16 tokens spans more than a cache line, so numba does not take it.
+TILINGS = [
+    (torch.bfloat16, 16, 2, 0),
+    (torch.bfloat16, 16, 1, 1),
+    (torch.bfloat16, 8, 4, 0),
+    (torch.float32, 4, 2, 1),
+    (torch.float32, 16, 1, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tt", "td", "pad"), TILINGS, ids=[f"{str(t[0])[6:]}-tt{t[1]}-td{t[2]}-pad{t[3]}" for t in TILINGS]
+)
+@pytest.mark.parametrize("impl", ["numba", "torch"])
+def test_tiled_keys_of_any_tiling(impl: str, dtype: torch.dtype, tt: int, td: int, pad: int) -> None:
+    """Tiled keys of other tilings than CPU_ATTN_AMX's: the CPU paths against the reference."""
+    hq, h, d, bs, nb = 6, 2, 32, 32, NUM_BLOCKS
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn((nb, h, bs // tt, d // td, tt, td + pad), generator=g).to(dtype)
+    keys = buf[..., pad:].permute(0, 1, 2, 4, 3, 5)  # [nb, H, bs/TT, TT, D/TD, TD]
+    assert numba_applies(keys) == ((tt - 1) * (td + pad) * keys.element_size() < 64)
+    q, chans, _, table, lens = make_inputs(hq, h, d, bs, KVLayout.CPU_ATTN, 12)
+    if impl == "numba" and not numba_applies(keys):
+        with pytest.raises(ValueError, match="impl='numba' takes CPU keys"):
+            sparq_block_lse(q, chans, keys, table, lens, impl=impl)
+        return
+    got = sparq_block_lse(q, chans, keys, table, lens, impl=impl)
+    want = sparq_block_lse_reference(q, chans, keys, table, lens)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("impl", ["numba", "torch", pytest.param("triton", marks=needs_interpreter)])
+def test_amx_and_cpu_attn_give_the_same_scores(impl: str) -> None:
+    """The same keys stored in CPU_ATTN and in CPU_ATTN_AMX (written through ``cpu_attn_kv_views``) give the same
+    log-sum-exps up to fp32 rounding (the numba kernel's gather differs: contiguous runs vs 16-token tiles); numba
+    takes both layouts."""
+    hq, h, d, bs = 8, 2, 128, 64
+    q, chans, _, table, lens = make_inputs(hq, h, d, bs, KVLayout.CPU_ATTN, 16)
+    want = torch.randn((NUM_BLOCKS, bs, h, d), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = []
+    for layout in CPU_LAYOUTS:
+        cache = torch.zeros((NUM_BLOCKS, h, bs, 2 * d), dtype=torch.bfloat16)
+        k, _ = cpu_attn_kv_views(cache, layout)
+        k.copy_(want.view(NUM_BLOCKS, *k.shape[1:]))
+        keys = paged_keys(cache, layout)
+        assert numba_applies(keys)
+        got.append(sparq_block_lse(q, chans, keys, table, lens, impl=impl))
+    assert torch.equal(torch.isinf(got[0]), torch.isinf(got[1]))
+    finite = torch.isfinite(got[0])
+    torch.testing.assert_close(got[1][finite], got[0][finite], rtol=RTOL, atol=ATOL)
 
 
 def test_errors_name_the_bad_value() -> None:
@@ -144,9 +221,12 @@ def test_errors_name_the_bad_value() -> None:
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 replaces @triton.jit")
-@pytest.mark.parametrize("word", ["bf16", "fp16", "fp32"])
-def test_kernel_compiles_for_sm90(word: str) -> None:
-    const = sparq_kernel_meta(32, 8, 16)  # a Llama-3-8B-like head layout at FlashAttention's 16-token blocks
+@pytest.mark.parametrize(("word", "tiling"), [("bf16", "plain"), ("fp16", "plain"), ("fp32", "plain"), ("bf16", "amx")])
+def test_kernel_compiles_for_sm90(word: str, tiling: str) -> None:
+    # A Llama-3-8B-like head layout at FlashAttention's 16-token blocks (plain keys), or at 32-token blocks of
+    # CPU_ATTN_AMX's tiles of 16 tokens and component pairs.
+    const = sparq_kernel_meta(32, 8, 16, 16, 128) if tiling == "plain" else sparq_kernel_meta(32, 8, 32, 16, 2)
+    strides = ["stride_kb", "stride_kh", "stride_ktt", "stride_kt", "stride_kdd", "stride_kd", "stride_table"]
     sig = {
         "q_ptr": "*fp32",
         "ch_ptr": "*i64",
@@ -154,7 +234,7 @@ def test_kernel_compiles_for_sm90(word: str) -> None:
         "table_ptr": "*i32",
         "lens_ptr": "*i32",
         "out_ptr": "*fp32",
-        **dict.fromkeys(["stride_kb", "stride_kh", "stride_kt", "stride_kd", "stride_table"], "i64"),
+        **dict.fromkeys(strides, "i64"),
         "W": "i32",
         "C": "i32",
         **dict.fromkeys(const, "constexpr"),
@@ -169,8 +249,7 @@ def test_triton_cases_interpreted() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: native Triton runs only where a GPU exists")
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize(("layout", "shape"), LAYOUT_SHAPES)
 def test_native_triton_matches_reference(shape: tuple, layout: KVLayout) -> None:
     q, chans, keys, table, lens = make_inputs(*shape, layout, 16)
     got = sparq_block_lse(q.cuda(), chans.cuda(), keys.cuda(), table.cuda(), lens.cuda()).cpu()  # auto: Triton

@@ -11,8 +11,8 @@ from ucm.config import GSAConfig, UcmPipelineStoreConfig
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.worker import UCMWorker
-from ucm.kernels.block_summaries import paged_keys
 from ucm.kernels.layouts import KVLayout
+from ucm.kernels.paged_keys import paged_keys
 from ucm.sparse import GSA
 from ucm.store.pipeline import release_shared_store, shared_store
 

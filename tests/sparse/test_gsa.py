@@ -1,4 +1,5 @@
-"""GSA on plain tensors: summaries, selection against a row-by-row reference, table compaction, freshness."""
+"""GSA on plain tensors: summaries, selection against a row-by-row reference, table compaction, freshness; the same
+selections from keys in vLLM's two CPU layouts (CPU_ATTN and CPU_ATTN_AMX's tiled keys)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from ucm.config import GSAConfig
-from ucm.kernels.block_summaries import paged_keys
-from ucm.kernels.layouts import KVLayout
+from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
+from ucm.kernels.paged_keys import paged_keys
 from ucm.sparse import GSA, compact_block_table, invalidate_blocks, make_method
 from ucm.sparse.gsa import kept_blocks, select_reference
 
@@ -24,6 +25,11 @@ CONFIGS = [
     GSAConfig(sparse_ratio=0.1, init_window_sz=0, local_window_sz=1, min_blocks=2, block_scoring="key_bounds"),
 ]
 CONFIG_IDS = ["r0.3", "r0.5-w2-3-min8", "r0.1-w0-1-min2"]
+# CPU_ATTN_AMX (bf16, block_size and head_dim multiples of 32): SmolLM2's heads, 4-way GQA at 128-dim heads.
+AMX_SHAPES = [(3, 9, 64, 32), (2, 8, 128, 64)]
+AMX_SHAPE_IDS = [f"kv{h}-q{hq}-d{d}-bs{bs}" for h, hq, d, bs in AMX_SHAPES]
+SCORINGS = ["key_bounds", "attention", "sparq"]
+IMPLS = ["numba", "torch", "reference"]
 
 
 def _batch(h: int, hq: int, d: int, bs: int, seed: int = 0):
@@ -38,6 +44,19 @@ def _batch(h: int, hq: int, d: int, bs: int, seed: int = 0):
     )
     q = torch.randn((4, hq, d), generator=g).to(torch.bfloat16)
     return paged_keys(cache, KVLayout.CPU_ATTN), table, lens, q
+
+
+def _cpu_keys(h: int, d: int, bs: int, seed: int = 0) -> dict[KVLayout, torch.Tensor]:
+    """The same random bf16 keys in a CPU_ATTN cache and in a CPU_ATTN_AMX cache (written through
+    ``cpu_attn_kv_views``), as each layout's paged keys."""
+    want = torch.randn((NUM_BLOCKS, bs, h, d), generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    out = {}
+    for layout in (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX):
+        cache = torch.zeros((NUM_BLOCKS, h, bs, 2 * d), dtype=torch.bfloat16)
+        k, _ = cpu_attn_kv_views(cache, layout)
+        k.copy_(want.view(NUM_BLOCKS, *k.shape[1:]))
+        out[layout] = paged_keys(cache, layout)
+    return out
 
 
 def _kept_ids(sel, r: int) -> list[int]:
@@ -59,6 +78,28 @@ def test_selection_matches_reference(h: int, hq: int, d: int, bs: int, cfg: GSAC
         # Only full blocks are dropped: the length falls by whole blocks and the last (partial) block stays last.
         assert int(sel.seq_lens[r]) == int(lens[r]) - (n - int(sel.kept[r])) * bs
         assert _kept_ids(sel, r)[-1] == int(table[r, n - 1])
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize(("h", "hq", "d", "bs"), AMX_SHAPES, ids=AMX_SHAPE_IDS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_amx_keys_select_what_cpu_attn_keys_select(impl: str, h: int, hq: int, d: int, bs: int, scoring: str) -> None:
+    """The same keys in CPU_ATTN (plain keys) and CPU_ATTN_AMX (tiled keys) give the same selection, for each block
+    scoring and implementation (``attention``: after a prefill observation of row 0, the other rows from their
+    query); the selection drops blocks, so it is not the dense table by construction."""
+    _, table, lens, q = _batch(h, hq, d, bs)
+    prompt = torch.randn((4, hq, d), generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    cfg = GSAConfig(sparse_ratio=0.3, block_scoring=scoring, score_channels=8)
+    kept, lengths = {}, {}
+    for layout, keys in _cpu_keys(h, d, bs).items():
+        method = GSA(cfg, impl=impl)
+        summaries = method.new_summaries(NUM_BLOCKS, h, d, torch.device("cpu"))
+        method.observe(prompt, keys, summaries, table[0], int(lens[0]) - 1, d**-0.5)
+        sel = method.select(q, keys, summaries, table, lens, d**-0.5)
+        kept[layout], lengths[layout] = [_kept_ids(sel, r) for r in range(4)], sel.seq_lens.tolist()
+    assert kept[KVLayout.CPU_ATTN_AMX] == kept[KVLayout.CPU_ATTN]
+    assert lengths[KVLayout.CPU_ATTN_AMX] == lengths[KVLayout.CPU_ATTN]
+    assert len(kept[KVLayout.CPU_ATTN][0]) < math.ceil(int(lens[0]) / bs)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
@@ -431,16 +472,16 @@ _WARM_UP_CHILD = """
 import json, sys, torch
 from ucm.config import GSAConfig
 from ucm.kernels import _numba_sparq
-from ucm.kernels.block_summaries import paged_keys
+from ucm.kernels.paged_keys import paged_keys
 from ucm.kernels.layouts import KVLayout
 from ucm.sparse import GSA, _numba_select
 
-dtype = getattr(torch, sys.argv[1])
+dtype, warm_layout, layout = getattr(torch, sys.argv[1]), KVLayout(sys.argv[2]), KVLayout(sys.argv[3])
 kernels = (_numba_sparq.sparq_query, _numba_sparq.block_lse, _numba_select.keep_blocks)
 method = GSA(GSAConfig(block_scoring="sparq"))
-method.warm_up(dtype, torch.device("cpu"))
+method.warm_up(dtype, torch.device("cpu"), warm_layout)
 before = [len(k.signatures) for k in kernels]
-keys = paged_keys(torch.randn((40, 3, 32, 128)).to(dtype), KVLayout.CPU_ATTN)
+keys = paged_keys(torch.randn((40, 3, 32, 128)).to(dtype), layout)
 table = torch.randperm(40).to(torch.int32).view(2, 20)
 lens = torch.tensor([20 * 32 - 3, 3 * 32], dtype=torch.int32)
 sel = method.select(torch.randn((2, 9, 64)).to(dtype), keys, method.new_summaries(40, 3, 64, torch.device("cpu")),
@@ -449,17 +490,31 @@ print(json.dumps({"before": before, "after": [len(k.signatures) for k in kernels
 """
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_warm_up_compiles_what_the_engine_runs(dtype: str) -> None:
+# (KV dtype, layout warmed up, layout of the engine's cache): what vLLM's CPU variants give (fp32: vec; bf16: vec or
+# amx), and a warm-up of one CPU layout serving the other (one numba specialization for both).
+WARM_UPS = [
+    ("float32", "cpu_attn", "cpu_attn"),
+    ("bfloat16", "cpu_attn", "cpu_attn"),
+    ("bfloat16", "cpu_attn_amx", "cpu_attn_amx"),
+    ("bfloat16", "cpu_attn", "cpu_attn_amx"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "warm_layout", "layout"), WARM_UPS, ids=["-".join(w) for w in WARM_UPS])
+def test_warm_up_compiles_what_the_engine_runs(dtype: str, warm_layout: str, layout: str) -> None:
     """In a fresh process, after ``warm_up`` a selection with the engine's argument types (int32 block table and
     lengths, a larger cache, a row below ``min_blocks``) adds no numba specialization: the first decode step does not
-    wait for the compiler."""
+    wait for the compiler. Both CPU layouts run the same specialization."""
     import json
     import subprocess
     import sys
 
     child = subprocess.run(
-        [sys.executable, "-c", _WARM_UP_CHILD, dtype], capture_output=True, text=True, timeout=600, check=True
+        [sys.executable, "-c", _WARM_UP_CHILD, dtype, warm_layout, layout],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     got = json.loads(child.stdout.strip().splitlines()[-1])
     assert got["before"] == [1, 1, 1]  # warm-up compiled (or loaded) one specialization of each kernel

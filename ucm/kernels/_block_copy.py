@@ -17,6 +17,8 @@ Address map of one (block ``b``, layer ``l``) shard, in elements of the KV dtype
   plain chunk copies.
 - CPU_ATTN: per head ``h`` at ``(b*H + h)*2*bs*D``: K transposed ``[D, bs]``, then V ``[bs, D]``; canonical wants
   ``[bs, H, D]`` per part, so K is a transpose and V a strided row copy.
+- CPU_ATTN_AMX: the same K and V regions per head, each in VNNI tiles (``ucm.kernels.layouts.amx_offsets``): K a
+  transpose of 32-bit words (two dims of a token) within 16-token tiles, V a de-interleave of token pairs.
 
 Several layer tensors in one launch: the kernels take the lowest-address layer as base pointer and a table of
 per-layer element offsets from it (``layer_offsets``). That is plain pointer arithmetic (no pointer is loaded from
@@ -41,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ucm.affinity import thread_pool
-from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views, int_view
+from ucm.kernels.layouts import CPU_LAYOUTS, KVLayout, cpu_attn_kv_views, int_view
 
 Impl = Literal["auto", "triton", "cpu", "torch"]
 IMPLS = ("auto", "triton", "cpu", "torch")
@@ -51,7 +53,8 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     """The implementation ``impl`` names for tensors on ``device`` (any layout).
 
     ``auto`` is Triton on CUDA and the torch path on other non-CPU devices. On CPU it is the CPU fast path
-    (memmove runs; numba tile transposes for CPU_ATTN, on up to ``torch.get_num_threads()`` threads). ``triton``
+    (memmove runs; numba tile transposes for CPU_ATTN and CPU_ATTN_AMX, on up to ``torch.get_num_threads()``
+    threads). ``triton``
     on CPU tensors runs the Triton interpreter.
 
     Raises:
@@ -97,7 +100,7 @@ def copy_blocks(
 
 def _geometry(cache: torch.Tensor, layout: KVLayout) -> tuple[int, int, int, int]:
     """``(num_blocks, block_size, num_kv_heads, head_dim)`` of a validated layer tensor."""
-    if layout == KVLayout.CPU_ATTN:
+    if layout in CPU_LAYOUTS:
         nb, h, bs, two_d = cache.shape
         return nb, bs, h, two_d // 2
     if layout == KVLayout.FLASH_NHD:
@@ -127,16 +130,17 @@ def _copy_torch(
 ) -> None:
     """One strided copy per layer and part through advanced indexing (gather) or ``index_copy_`` (scatter)."""
     s = int_view(staging)  # [n, L, *shard]
+    n = ids.numel()
     for layer, cache in enumerate(kv_caches):
         c = int_view(cache)
-        if layout == KVLayout.CPU_ATTN:
-            k, v = cpu_attn_kv_views(c)  # [nb, H, D, bs], [nb, H, bs, D]
-            if gather:
-                s[:, layer, 0].copy_(k[ids].permute(0, 3, 1, 2))  # -> [n, bs, H, D]
-                s[:, layer, 1].copy_(v[ids].permute(0, 2, 1, 3))
-            else:
-                k.index_copy_(0, ids, s[:, layer, 0].permute(0, 2, 3, 1))  # [n, bs, H, D] -> [n, H, D, bs]
-                v.index_copy_(0, ids, s[:, layer, 1].permute(0, 2, 1, 3))  # -> [n, H, bs, D]
+        if layout in CPU_LAYOUTS:
+            # Views of the paged K and V whose dims read in canonical order ([nb, bs, H, D], split where tiled).
+            for part, paged in enumerate(cpu_attn_kv_views(c, layout)):
+                canonical = s[:, layer, part].view(n, *paged.shape[1:])  # [n, bs, H, D], split the same way
+                if gather:
+                    canonical.copy_(paged[ids])
+                else:
+                    paged.index_copy_(0, ids, canonical)
         elif layout == KVLayout.FLASH_NHD:  # [2, nb, bs, H, D]
             if gather:
                 s[:, layer].copy_(c[:, ids].transpose(0, 1))
@@ -151,7 +155,8 @@ def _copy_torch(
 
 # -- Triton ---------------------------------------------------------------------------------------------------------
 
-_CHUNK, _CPU_ATTN = 0, 1  # values of the LAYOUT constexpr: contiguous chunks (FLASH_NHD, MLA), CPU_ATTN
+# Values of the LAYOUT constexpr: contiguous chunks (FLASH_NHD, MLA), CPU_ATTN, CPU_ATTN_AMX.
+_CHUNK, _CPU_ATTN, _CPU_ATTN_AMX = 0, 1, 2
 
 
 @triton.jit
@@ -165,17 +170,17 @@ def _block_copy_kernel(
     stride_part,  # FLASH_NHD: elements between K and V halves of a layer (num_blocks*bs*H*D); else 0
     NUM_LAYERS: tl.constexpr,
     NUM_PARTS: tl.constexpr,  # 2 (K, V) or 1 (MLA)
-    LAYOUT: tl.constexpr,  # _CHUNK or _CPU_ATTN
+    LAYOUT: tl.constexpr,  # _CHUNK, _CPU_ATTN or _CPU_ATTN_AMX
     BLOCK_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GATHER: tl.constexpr,  # True: paged -> staging; False: staging -> paged
     TILE: tl.constexpr,  # _CHUNK: elements per program
-    TILE_T: tl.constexpr,  # _CPU_ATTN: tokens per program
-    TILE_D: tl.constexpr,  # _CPU_ATTN: next power of two >= HEAD_DIM
+    TILE_T: tl.constexpr,  # _CPU_ATTN(_AMX): tokens per program
+    TILE_D: tl.constexpr,  # _CPU_ATTN(_AMX): next power of two >= HEAD_DIM
     LAYER_ALIGN: tl.constexpr,  # every layer offset is a multiple of this (vectorization hint)
 ):
-    # Grid: (n * NUM_LAYERS * NUM_PARTS [* NUM_HEADS for CPU_ATTN], tiles of one part). All offsets int64.
+    # Grid: (n * NUM_LAYERS * NUM_PARTS [* NUM_HEADS for the CPU layouts], tiles of one part). All offsets int64.
     pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
     PART: tl.constexpr = BLOCK_SIZE * NUM_HEADS * HEAD_DIM  # elements of one part (K or V) of a shard
@@ -193,7 +198,7 @@ def _block_copy_kernel(
             tl.store(p_stage, tl.load(p_paged, mask=m_t), mask=m_t)
         else:
             tl.store(p_paged, tl.load(p_stage, mask=m_t), mask=m_t)
-    else:  # CPU_ATTN: per (block, head): K^T [D, bs] then V [bs, D]; canonical part is [bs, H, D]
+    else:  # CPU layouts: per (block, head) a K region then a V region of bs*D elements; canonical part [bs, H, D]
         i = pid // (NUM_LAYERS * NUM_HEADS * 2)
         lay = (pid // (NUM_HEADS * 2)) % NUM_LAYERS
         h = (pid // 2) % NUM_HEADS
@@ -215,13 +220,26 @@ def _block_copy_kernel(
             + o_dim
         )
         if p == 0:
-            p_k = p_head + o_dim * BLOCK_SIZE + o_tok  # K^T: [TILE_T, TILE_D] addresses, stride 1 along tokens
+            if LAYOUT == 1:  # CPU_ATTN: K^T, [TILE_T, TILE_D] addresses, stride 1 along tokens
+                p_k = p_head + o_dim * BLOCK_SIZE + o_tok
+            else:  # CPU_ATTN_AMX: 16-token tiles of dim pairs (ucm.kernels.layouts.amx_offsets)
+                p_k = p_head + (o_tok // 16) * (16 * HEAD_DIM) + (o_dim // 2) * 32 + (o_tok % 16) * 2 + o_dim % 2
             if GATHER:
                 tl.store(p_stage, tl.load(p_k, mask=m_td), mask=m_td)
             else:
                 tl.store(p_k, tl.load(p_stage, mask=m_td), mask=m_td)
         else:
-            p_v = p_head + BLOCK_SIZE * HEAD_DIM + o_tok * HEAD_DIM + o_dim  # V: rows of HEAD_DIM
+            if LAYOUT == 1:  # CPU_ATTN: V rows of HEAD_DIM
+                p_v = p_head + BLOCK_SIZE * HEAD_DIM + o_tok * HEAD_DIM + o_dim
+            else:  # CPU_ATTN_AMX: 16-dim tiles of token pairs
+                p_v = (
+                    p_head
+                    + BLOCK_SIZE * HEAD_DIM
+                    + (o_dim // 16) * (16 * BLOCK_SIZE)
+                    + (o_tok // 2) * 32
+                    + (o_dim % 16) * 2
+                    + o_tok % 2
+                )
             if GATHER:
                 tl.store(p_stage, tl.load(p_v, mask=m_td), mask=m_td)
             else:
@@ -242,7 +260,7 @@ def kernel_meta(layout: KVLayout, block_size: int, num_kv_heads: int, head_dim: 
     part = block_size * num_kv_heads * head_dim
     tile_d = triton.next_power_of_2(head_dim)
     return {
-        "LAYOUT": _CPU_ATTN if layout == KVLayout.CPU_ATTN else _CHUNK,
+        "LAYOUT": {KVLayout.CPU_ATTN: _CPU_ATTN, KVLayout.CPU_ATTN_AMX: _CPU_ATTN_AMX}.get(layout, _CHUNK),
         "TILE": min(4096, triton.next_power_of_2(part)),
         "TILE_T": min(triton.next_power_of_2(block_size), max(1, 4096 // tile_d)),
         "TILE_D": tile_d,
@@ -265,7 +283,7 @@ def _copy_triton(
     parts = 1 if layout == KVLayout.MLA else 2
     num_layers, n = len(kv_caches), ids.numel()
     part = block_size * num_kv_heads * head_dim
-    if layout == KVLayout.CPU_ATTN:
+    if layout in CPU_LAYOUTS:
         grid = (n * num_layers * num_kv_heads * 2, triton.cdiv(block_size, meta["TILE_T"]))
     else:
         grid = (n * num_layers * parts, triton.cdiv(part, meta["TILE"]))
@@ -306,16 +324,18 @@ def _numba_kernels() -> Any:
 def _copy_cpu(
     kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, layout: KVLayout, staging: torch.Tensor, gather: bool
 ) -> None:
-    """CPU fast path. FLASH_NHD / MLA: one ``memmove`` per contiguous run. CPU_ATTN: numba kernels (see
-    ``_numba_copy``): for 2-byte dtypes, vector tile transposes of K per (block, layer) shard (``cpu_attn_tiles``,
-    see :func:`cpu_attn_plan`), or 4x4 word tiles where no tile divides ``block_size`` and ``head_dim``; element
-    loops for other dtypes. Either is split over up to ``torch.get_num_threads()`` threads, one per MiB moved
-    (:func:`_run_split`)."""
+    """CPU fast path. FLASH_NHD / MLA: one ``memmove`` per contiguous run. CPU_ATTN and CPU_ATTN_AMX: numba
+    kernels (see ``_numba_copy``) per (block, layer) shard, with vector tiles: CPU_ATTN K by tile transposes out of
+    a scratch copy of the source shard (``cpu_attn_tiles``, 2-byte dtypes; 4x4 word tiles where no tile divides
+    ``block_size`` and ``head_dim``; element loops for other dtypes), CPU_ATTN_AMX by 16 x 16 word transposes
+    for K and VNNI splits or joins for V (``cpu_attn_amx_tiles``; a scratch copy for scatters only). Either is
+    split over up to ``torch.get_num_threads()`` threads, one per MiB moved (:func:`_run_split`); see
+    :func:`cpu_attn_plan` for when the stores are non-temporal."""
     num_blocks, block_size, num_kv_heads, head_dim = _geometry(kv_caches[0], layout)
     esize = kv_caches[0].element_size()
     addrs = [c.data_ptr() for c in kv_caches]
     part = block_size * num_kv_heads * head_dim
-    if layout != KVLayout.CPU_ATTN:
+    if layout not in CPU_LAYOUTS:
         _copy_chunks_memmove(addrs, ids.tolist(), staging, layout, num_blocks * part, part, esize, gather)
         return
     import numpy as np
@@ -325,7 +345,12 @@ def _copy_cpu(
     items = ids.numel() * len(kv_caches)  # (block, layer) work items
     nbytes = items * 2 * block_size * num_kv_heads * head_dim * esize
     dst = [staging.data_ptr(), s0 * esize, s1 * esize] if gather else addrs  # where the stores go
-    tile, nt = cpu_attn_plan(esize, block_size, head_dim, nbytes, dst)
+    tile, nt = cpu_attn_plan(layout, esize, block_size, head_dim, nbytes, dst)
+    if layout == KVLayout.CPU_ATTN_AMX:  # validated: 2-byte elements, block_size and head_dim multiples of 32
+        amx_args = (np.array(addrs, dtype=np.int64), staging.data_ptr(), ids.numpy(), s0 * esize, s1 * esize)
+        amx_geometry = (num_kv_heads, head_dim, block_size, nt, not gather, gather)  # pre-read: scatter only
+        _run_split(items, nbytes, lambda lo, hi: nk.cpu_attn_amx_tiles(*amx_args, *amx_geometry, lo, hi))
+        return
     if tile:
         tile_args = (np.array(addrs, dtype=np.int64), staging.data_ptr(), ids.numpy(), s0 * esize, s1 * esize)
         geometry = (num_kv_heads, head_dim, block_size, tile, nt, gather)
@@ -370,16 +395,20 @@ _NONTEMPORAL_MIN_BYTES = 16 << 20
 
 
 def cpu_attn_plan(
-    esize: int, block_size: int, head_dim: int, nbytes: int, addresses: Sequence[int]
+    layout: KVLayout, esize: int, block_size: int, head_dim: int, nbytes: int, addresses: Sequence[int]
 ) -> tuple[int, bool]:
-    """How the CPU path moves a CPU_ATTN copy of ``nbytes`` bytes: ``(tile, nontemporal)``.
+    """How the CPU path moves a CPU_ATTN or CPU_ATTN_AMX copy of ``nbytes`` bytes: ``(tile, nontemporal)``.
 
-    ``tile`` is the K transpose tile of ``cpu_attn_tiles`` (32 or 16 elements, dividing both ``block_size`` and
-    ``head_dim``; 2-byte dtypes), or 0 where that kernel does not apply (then the word or element kernels run).
-    ``nontemporal``: its stores bypass the cache, which needs x86-64, at least ``_NONTEMPORAL_MIN_BYTES`` moved, and
+    ``tile`` is the K transpose tile in elements: for CPU_ATTN that of ``cpu_attn_tiles`` (32 or 16, dividing both
+    ``block_size`` and ``head_dim``; 2-byte dtypes), or 0 where that kernel does not apply (then the word or element
+    kernels run); for CPU_ATTN_AMX 32 (``cpu_attn_amx_tiles``' 16 x 16 tiles of 32-bit words: 64-byte rows).
+    ``nontemporal``: the stores bypass the cache, which needs x86-64, at least ``_NONTEMPORAL_MIN_BYTES`` moved, and
     every destination address and stride (``addresses``, bytes: the staging buffer's address and first two strides
     for a gather, the layer tensors' addresses for a scatter) aligned to a tile row (``2 * tile`` bytes)."""
-    tile = next((t for t in (32, 16) if esize == 2 and block_size % t == 0 and head_dim % t == 0), 0)
+    if layout == KVLayout.CPU_ATTN_AMX:
+        tile = 32
+    else:
+        tile = next((t for t in (32, 16) if esize == 2 and block_size % t == 0 and head_dim % t == 0), 0)
     nontemporal = (
         tile > 0 and _NONTEMPORAL and nbytes >= _NONTEMPORAL_MIN_BYTES and all(a % (2 * tile) == 0 for a in addresses)
     )

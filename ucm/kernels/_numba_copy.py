@@ -221,13 +221,13 @@ def _store(builder: Any, value: Any, addr: Any, nontemporal: bool) -> None:
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
 
 
-def _tile_intrinsic(n: int, nontemporal: bool) -> Any:
+def _tile_intrinsic(n: int, nontemporal: bool, bits: int = 16) -> Any:
     """An intrinsic ``tile(src, src_stride, dst, dst_stride)`` (int64 byte addresses and row strides): the ``n x n``
-    tile of 16-bit elements at ``src`` is written transposed at ``dst``. The ``n`` rows are loaded as ``<n x i16>``
-    vectors and transposed by log2(n) rounds of lane interleaves (``out[2k], out[2k+1] = interleave of the low /
-    high halves of rows k and k + n/2``; after log2(n) rounds row j holds column j), which LLVM lowers to the
-    target's permutes (``vpermt2w`` with AVX-512). Non-temporal stores need ``dst`` and ``dst_stride`` aligned to
-    ``2 * n`` bytes; the caller checks."""
+    tile of ``bits``-bit elements at ``src`` is written transposed at ``dst``. The ``n`` rows are loaded as
+    ``<n x i{bits}>`` vectors and transposed by log2(n) rounds of lane interleaves (``out[2k], out[2k+1] =
+    interleave of the low / high halves of rows k and k + n/2``; after log2(n) rounds row j holds column j), which
+    LLVM lowers to the target's permutes (``vpermt2w`` / ``vpermt2d`` with AVX-512). Non-temporal stores need
+    ``dst`` and ``dst_stride`` aligned to a row (``n * bits / 8`` bytes); the caller checks."""
     half = n // 2
     lo = _mask([x for i in range(half) for x in (i, n + i)])
     hi = _mask([x for i in range(half, n) for x in (i, n + i)])
@@ -238,7 +238,7 @@ def _tile_intrinsic(n: int, nontemporal: bool) -> Any:
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             src, src_stride, dst, dst_stride = args
-            ptr = ir.VectorType(ir.IntType(16), n).as_pointer()
+            ptr = ir.VectorType(ir.IntType(bits), n).as_pointer()
             rows = []
             for r in range(n):
                 addr = builder.add(src, builder.mul(src_stride, ir.Constant(_I64, r)))
@@ -385,5 +385,153 @@ def cpu_attn_tiles(
                 for t in range(bs):
                     for d0 in range(0, dim, n):
                         _row(n, nt, v + 2 * (t * dim + d0), cv + t * row + 2 * d0)
+    if nt:
+        _fence()
+
+
+# -- CPU_ATTN_AMX (vLLM's ``amx`` kernel variant) ---------------------------------------------------------------------
+#
+# Per (block, kv head) the K region is 16-token tiles ``[head_dim / 2 words, 16 tokens]`` of 32-bit words (a word is
+# two consecutive dims of one token), so K moves as 16 x 16 word tile transposes (``_tile_intrinsic(16, ..., 32)``).
+# The V region is 16-dim tiles ``[block_size / 2, 16 dims, 2 tokens]``: 64 bytes hold 16 dims of a token pair,
+# interleaved. V moves by ``_vnni_split`` (gather: two such 64-byte runs, dim tiles ``a`` and ``a + 1``, give 32 dims
+# of the pair's even token and 32 of its odd token: one 64-byte canonical run each) and its inverse ``_vnni_join``.
+# Unlike CPU_ATTN's kernel, the gather reads the paged shard directly: its K tiles are 1 KiB runs and its V runs 64
+# bytes, and a scratch pre-read made the gather slower at every size measured (0.85-0.97x of a copy with it against
+# 0.99-1.25x without, 256 MiB-1 GiB; 0.28-0.45x against 0.39-0.56x at 1-8 MiB, this repo's AMX Xeon, 2 threads).
+# The scatter reads the canonical shard's rows 2 KiB and more apart, and there the pre-read pays for copies of tens
+# of MiB (32 MiB: 0.98x of a copy with it, 0.86x without; 1 GiB: 1.06x against 0.83x), so scatters use it.
+
+_EVEN = _mask(list(range(0, 64, 2)))  # of two <32 x i16> vectors concatenated: lanes 0, 2, ..., 62
+_ODD = _mask(list(range(1, 64, 2)))
+_JOIN_LO = _mask([x for i in range(16) for x in (i, 32 + i)])  # interleave lanes 0..15 of two <32 x i16>
+_JOIN_HI = _mask([x for i in range(16, 32) for x in (i, 32 + i)])
+
+
+def _vnni_intrinsic(split: bool, nontemporal: bool) -> Any:
+    """An intrinsic ``f(a, b, c, d)`` on int64 byte addresses, each a run of 32 16-bit elements (64 bytes).
+
+    ``split``: reads runs ``a`` and ``b`` (each 16 pairs ``(x[i], y[i])``; ``a`` holds ``i`` in 0..15, ``b`` in
+    16..31), writes ``x[0..31]`` to ``c`` and ``y[0..31]`` to ``d``. Otherwise the inverse: reads ``x`` at ``c`` and
+    ``y`` at ``d``, writes the pairs to ``a`` and ``b``. Non-temporal stores need the written addresses aligned to
+    64 bytes; the caller checks."""
+
+    @intrinsic
+    def vnni(typingctx: Any, a: Any, b: Any, c: Any, d: Any) -> Any:
+        sig = types.void(types.int64, types.int64, types.int64, types.int64)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            ptr = ir.VectorType(ir.IntType(16), 32).as_pointer()
+            a, b, c, d = args
+            if split:
+                va = builder.load(builder.inttoptr(a, ptr), align=1)
+                vb = builder.load(builder.inttoptr(b, ptr), align=1)
+                _store(builder, builder.shuffle_vector(va, vb, _EVEN), c, nontemporal)
+                _store(builder, builder.shuffle_vector(va, vb, _ODD), d, nontemporal)
+            else:
+                vx = builder.load(builder.inttoptr(c, ptr), align=1)
+                vy = builder.load(builder.inttoptr(d, ptr), align=1)
+                _store(builder, builder.shuffle_vector(vx, vy, _JOIN_LO), a, nontemporal)
+                _store(builder, builder.shuffle_vector(vx, vy, _JOIN_HI), b, nontemporal)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return vnni
+
+
+_wtile16, _wtile16_nt = _tile_intrinsic(16, False, 32), _tile_intrinsic(16, True, 32)
+_split, _split_nt = _vnni_intrinsic(True, False), _vnni_intrinsic(True, True)
+_join, _join_nt = _vnni_intrinsic(False, False), _vnni_intrinsic(False, True)
+
+
+@numba.njit(inline="always")
+def _word_tile(nt: bool, src: int, src_stride: int, dst: int, dst_stride: int) -> None:
+    if nt:
+        _wtile16_nt(src, src_stride, dst, dst_stride)
+    else:
+        _wtile16(src, src_stride, dst, dst_stride)
+
+
+@numba.njit(inline="always")
+def _vnni(split: bool, nt: bool, a: int, b: int, c: int, d: int) -> None:
+    if split:
+        if nt:
+            _split_nt(a, b, c, d)
+        else:
+            _split(a, b, c, d)
+    elif nt:
+        _join_nt(a, b, c, d)
+    else:
+        _join(a, b, c, d)
+
+
+@numba.njit(cache=True, nogil=True)
+def cpu_attn_amx_tiles(
+    addrs: np.ndarray,  # int64 [num_layers]: byte address of each layer tensor
+    staging_addr: int,  # byte address of staging[0, 0]
+    ids: np.ndarray,
+    s_block: int,  # staging strides of dims 0 and 1, bytes
+    s_layer: int,
+    heads: int,
+    dim: int,  # head_dim, elements, a multiple of 32
+    bs: int,  # block_size, elements, a multiple of 32
+    nt: bool,  # non-temporal stores (destination aligned to 64 bytes)
+    pre_read: bool,  # copy each source shard into a scratch buffer first
+    gather: bool,
+    start: int,
+    stop: int,
+) -> None:
+    """CPU_ATTN_AMX (2-byte elements), work items ``start:stop`` of ``(block, layer)``: K moves by 16 x 16 word tile
+    transposes and V by VNNI splits or joins (see above), written in the destination's address order; with
+    ``pre_read`` the source shard is first copied into a scratch buffer in one sequential pass."""
+    num_layers = addrs.shape[0]
+    row = heads * dim * 2  # canonical row (one token, all heads), bytes
+    region = bs * dim * 2  # one head's K region (and its V region), bytes
+    chunk = 2 * heads * region  # one (block, layer) shard, bytes, on either side
+    kt_row = 64  # bytes of one K tile row: 16 tokens x one word
+    k_group = dim * 32  # bytes of one 16-token K tile group: dim / 2 words x 16 tokens x 4 bytes
+    v_tile = bs * 32  # bytes of one 16-dim V tile: bs / 2 pairs x 64 bytes
+    scratch = np.empty(chunk + 64 if pre_read else 0, np.uint8)
+    sp = (scratch.ctypes.data + 63) // 64 * 64
+    for u in range(start, stop):
+        i = u // num_layers
+        paged = addrs[u % num_layers] + ids[i] * chunk
+        stage = staging_addr + i * s_block + (u % num_layers) * s_layer
+        if gather:
+            src = paged
+            if pre_read:
+                _memcpy(sp, paged, chunk)
+                src = sp
+            for g in range(bs // 16):  # canonical K rows 16g .. 16g + 15
+                for h in range(heads):
+                    kr = src + h * 2 * region + g * k_group  # this head's tile group g
+                    ck = stage + 16 * g * row + 2 * h * dim  # K[16g, h, 0]
+                    for w0 in range(0, dim // 2, 16):
+                        _word_tile(nt, kr + w0 * kt_row, kt_row, ck + 4 * w0, row)
+            for p in range(bs // 2):  # canonical V rows 2p, 2p + 1
+                for h in range(heads):
+                    vr = src + h * 2 * region + region + 64 * p  # this head's V, dim tile 0, token pair p
+                    cv = stage + (bs + 2 * p) * row + 2 * h * dim  # V[2p, h, 0]
+                    for a in range(0, dim // 16, 2):  # dim tiles a, a + 1: dims 16a .. 16a + 31
+                        va = vr + a * v_tile
+                        _vnni(True, nt, va, va + v_tile, cv + 32 * a, cv + row + 32 * a)
+        else:
+            src = stage
+            if pre_read:
+                _memcpy(sp, stage, chunk)
+                src = sp
+            for h in range(heads):
+                kr = paged + h * 2 * region
+                for g in range(bs // 16):
+                    ck = src + 16 * g * row + 2 * h * dim
+                    for w0 in range(0, dim // 2, 16):
+                        _word_tile(nt, ck + 4 * w0, row, kr + g * k_group + w0 * kt_row, kt_row)
+                vr = kr + region
+                for a in range(0, dim // 16, 2):
+                    for p in range(bs // 2):
+                        va = vr + a * v_tile + 64 * p
+                        cv = src + (bs + 2 * p) * row + 2 * h * dim + 32 * a
+                        _vnni(False, nt, va, va + v_tile, cv, cv + row)
     if nt:
         _fence()

@@ -6,10 +6,16 @@ components (see ``ucm.kernels.sparq_scores``), in one pass over the keys with no
 every block id against the cache (it reads memory unchecked), then per request sorts the blocks by id and walks them
 in that (memory) order, a tile of blocks at a time:
 
-1. gather: for each block of the tile, KV head and chosen component, the component's run of ``block_size`` keys
-   (contiguous in vLLM's CPU_ATTN layout) is widened to fp32 (bf16: a 16-bit shift) into a scratch tile
-   ``[num_kv_heads, C, tile tokens]``, while the same run of the next block is prefetched (LLVM's
-   ``llvm.prefetch``). The runs are scattered (16 of 64 components is 16 separate cache lines per block and head at
+1. gather: for each block of the tile, KV head and chosen component, the component's keys are widened to fp32
+   (bf16: a 16-bit shift) into a scratch tile ``[num_kv_heads, C, tile tokens]``, while the same keys of the next
+   block are prefetched (LLVM's ``llvm.prefetch``). The keys are addressed in the tiled form of
+   ``ucm.kernels.paged_keys`` (token tiles of ``TT`` tokens, component groups of ``TD``): per token tile, one run
+   of ``TT`` values at the token stride, copied by one of three loop nests chosen once per call
+   (:func:`_gather_runs`, :func:`_gather_pairs`, :func:`_gather_strided`; choosing inside the loops made the copies
+   much slower). In vLLM's CPU_ATTN layout (plain keys: one tile of ``block_size`` tokens) the run is
+   contiguous; in CPU_ATTN_AMX it is 16 values at stride 2 (one 64-byte cache line in bf16: the component and its
+   pair partner), one run per 16-token tile, ``16 * head_dim`` values apart, read as 32-bit words of which one half
+   is kept. The runs are scattered (16 of 64 components is 16 separate cache lines per block and head at
    32-token blocks), so without the prefetch the loop waits on one line at a time: on this repo's 2-core AMD EPYC,
    1 thread, 49K runs of 64 bytes after the cache was flushed, 1.76 ms without and 0.81-0.93 ms with a prefetch
    16 to 64 runs ahead (one block ahead, as here, is 48 runs for SmolLM2's 3 KV heads at 16 components; torch's
@@ -144,6 +150,137 @@ def sparq_query(  # pragma: no cover - compiled
 
 
 @numba.njit(fastmath=True, nogil=True, cache=True)
+def _gather_runs(  # pragma: no cover - compiled
+    words: np.ndarray,
+    words32: np.ndarray,
+    shift: np.uint32,
+    ids: np.ndarray,
+    k0: int,
+    kn: int,
+    s0: int,
+    s2: int,
+    s3: int,
+    chan_off: np.ndarray,
+    block_size: int,
+    tile_tokens: int,
+    tile_bits: np.ndarray,
+) -> None:
+    """Step 1 of :func:`block_lse` for keys whose component is one contiguous run of ``block_size`` values per block
+    (CPU_ATTN): ``tile_bits[(h * C + c) * span + kk * block_size + t]`` (``span = tile_bits.size / (H * C)``) gets
+    the fp32 bits of key ``(ids[k0 + kk], h, t, channels[c])`` for ``kk < kn``, the run at ``ids[k0 + kk] * s0 +
+    chan_off[h, c]`` in ``words``; the same run of block ``ids[k0 + kk + 1]`` is prefetched. ``words32``, ``s2``,
+    ``s3``, ``tile_tokens``: unused (the shared signature)."""
+    nh, nc = chan_off.shape
+    span = tile_bits.shape[0] // (nh * nc)
+    per_line = max(1, _LINE // words.itemsize)
+    nb = ids.shape[0]
+    for kk in range(kn):
+        base = ids[k0 + kk] * s0
+        ahead = k0 + kk + 1 < nb
+        nxt = ids[min(k0 + kk + 1, nb - 1)] * s0
+        for h in range(nh):
+            for c in range(nc):
+                off = chan_off[h, c]
+                if ahead:
+                    for p in range(0, block_size, per_line):
+                        _prefetch(words, nxt + off + p)
+                src = words[base + off : base + off + block_size]
+                lo = (h * nc + c) * span + kk * block_size
+                dst = tile_bits[lo : lo + block_size]
+                for t in range(block_size):
+                    dst[t] = np.uint32(src[t]) << shift
+
+
+@numba.njit(fastmath=True, nogil=True, cache=True)
+def _gather_pairs(  # pragma: no cover - compiled
+    words: np.ndarray,
+    words32: np.ndarray,
+    shift: np.uint32,
+    ids: np.ndarray,
+    k0: int,
+    kn: int,
+    s0: int,
+    s2: int,
+    s3: int,
+    chan_off: np.ndarray,
+    block_size: int,
+    tile_tokens: int,
+    tile_bits: np.ndarray,
+) -> None:
+    """:func:`_gather_runs` for bf16 keys in token tiles of ``tile_tokens`` values at stride 2, ``s2`` apart
+    (CPU_ATTN_AMX: 16 tokens, one 64-byte line per tile and component pair): read as ``words32``, the same storage
+    as 32-bit words (value ``2k`` in the low half of word ``k``, ``2k + 1`` in the high half), keeping one half: a
+    loop over consecutive words, much faster than a stride-2 loop over 16-bit values. ``s2`` and ``words.size``
+    must be even."""
+    nh, nc = chan_off.shape
+    span = tile_bits.shape[0] // (nh * nc)
+    per_line = max(1, _LINE // words.itemsize)
+    run = (tile_tokens - 1) * s3 + 1  # values one tile's run spans
+    nb = ids.shape[0]
+    for kk in range(kn):
+        base = ids[k0 + kk] * s0
+        ahead = k0 + kk + 1 < nb
+        nxt = ids[min(k0 + kk + 1, nb - 1)] * s0
+        for h in range(nh):
+            for c in range(nc):
+                off = chan_off[h, c]
+                first = base + off
+                half = np.uint32(0) if first & 1 else np.uint32(16)  # a high half is in place already
+                lo = (h * nc + c) * span + kk * block_size
+                for j in range(block_size // tile_tokens):
+                    if ahead:
+                        for p in range(0, run, per_line):
+                            _prefetch(words, nxt + off + j * s2 + p)
+                    w0 = (first >> 1) + j * (s2 >> 1)
+                    src32 = words32[w0 : w0 + tile_tokens]
+                    dst = tile_bits[lo + j * tile_tokens : lo + (j + 1) * tile_tokens]
+                    for t in range(tile_tokens):
+                        dst[t] = (src32[t] << half) & np.uint32(0xFFFF0000)
+
+
+@numba.njit(fastmath=True, nogil=True, cache=True)
+def _gather_strided(  # pragma: no cover - compiled
+    words: np.ndarray,
+    words32: np.ndarray,
+    shift: np.uint32,
+    ids: np.ndarray,
+    k0: int,
+    kn: int,
+    s0: int,
+    s2: int,
+    s3: int,
+    chan_off: np.ndarray,
+    block_size: int,
+    tile_tokens: int,
+    tile_bits: np.ndarray,
+) -> None:
+    """:func:`_gather_runs` for keys in token tiles of ``tile_tokens`` values at any stride ``s3``, ``s2`` apart
+    (the general case; not a vLLM layout)."""
+    nh, nc = chan_off.shape
+    span = tile_bits.shape[0] // (nh * nc)
+    per_line = max(1, _LINE // words.itemsize)
+    run = (tile_tokens - 1) * s3 + 1
+    nb = ids.shape[0]
+    for kk in range(kn):
+        base = ids[k0 + kk] * s0
+        ahead = k0 + kk + 1 < nb
+        nxt = ids[min(k0 + kk + 1, nb - 1)] * s0
+        for h in range(nh):
+            for c in range(nc):
+                off = chan_off[h, c]
+                lo = (h * nc + c) * span + kk * block_size
+                for j in range(block_size // tile_tokens):
+                    at = off + j * s2
+                    if ahead:
+                        for p in range(0, run, per_line):
+                            _prefetch(words, nxt + at + p)
+                    src = words[base + at : base + at + run : s3]
+                    dst = tile_bits[lo + j * tile_tokens : lo + (j + 1) * tile_tokens]
+                    for t in range(tile_tokens):
+                        dst[t] = np.uint32(src[t]) << shift
+
+
+@numba.njit(fastmath=True, nogil=True, cache=True)
 def block_lse(  # pragma: no cover - compiled
     q: np.ndarray,
     channels: np.ndarray,
@@ -151,7 +288,12 @@ def block_lse(  # pragma: no cover - compiled
     shift: np.uint32,
     s0: int,
     s1: int,
+    s2: int,
     s3: int,
+    s4: int,
+    s5: int,
+    tile_tokens: int,
+    tile_dims: int,
     block_table: np.ndarray,
     seq_lens: np.ndarray,
     block_size: int,
@@ -166,7 +308,9 @@ def block_lse(  # pragma: no cover - compiled
     Args:
         q: float32 ``[R, HQ, C]``; channels: int64 ``[R, H, C]``.
         words: the keys' storage from their first element, 1-D, as ``uint16`` (bf16, ``shift`` 16) or ``uint32``
-            (fp32, ``shift`` 0); key ``[b, h, t, c]`` is ``words[b * s0 + h * s1 + t + c * s3]``.
+            (fp32, ``shift`` 0); key ``(b, h, t, c)`` is ``words[b * s0 + h * s1 + (t // tile_tokens) * s2 + (t %
+            tile_tokens) * s3 + (c // tile_dims) * s4 + (c % tile_dims) * s5]`` (the tiled form of
+            ``ucm.kernels.paged_keys``; all strides non-negative, ``tile_tokens`` divides ``block_size``).
         block_table: int32/int64 ``[R, W]``; seq_lens: int64 ``[R]``; block_size: tokens per block;
         cache_blocks: blocks in the paged cache; tile_blocks: blocks per tile.
         out: float32 ``[R, HQ, W]``.
@@ -185,7 +329,10 @@ def block_lse(  # pragma: no cover - compiled
     logits = np.empty(group * span, np.float32)
     e = np.empty(span, np.float32)
     e_bits = e.view(np.int32)
-    per_line = max(1, _LINE // words.itemsize)
+    contiguous = s3 == 1 and tile_tokens == block_size  # one run per block and component: CPU_ATTN
+    pairs = s3 == 2 and s2 % 2 == 0 and words.itemsize == 2 and words.shape[0] % 2 == 0  # CPU_ATTN_AMX
+    words32 = words[: words.shape[0] - words.shape[0] % 2].view(np.uint32)  # read by _gather_pairs only
+    chan_off = np.empty((nh, nc), np.int64)
     for i in range(nr):
         nb = (seq_lens[i] + block_size - 1) // block_size
         cols = np.argsort(block_table[i, :nb])  # ascending block id (memory) order
@@ -193,25 +340,26 @@ def block_lse(  # pragma: no cover - compiled
         for k in range(nb):
             ids[k] = block_table[i, cols[k]]
         last_col = nb - 1
+        for h in range(nh):  # each (head, component)'s offset inside a block, once per row: no division below
+            for c in range(nc):
+                ch = channels[i, h, c]
+                chan_off[h, c] = h * s1 + (ch // tile_dims) * s4 + (ch % tile_dims) * s5
         for k0 in range(0, nb, tile_blocks):
             kn = min(tile_blocks, nb - k0)
             tl = kn * block_size
-            # 1. gather the tile's runs, prefetching the next block's
-            for kk in range(kn):
-                base = ids[k0 + kk] * s0
-                ahead = k0 + kk + 1 < nb
-                nxt = ids[min(k0 + kk + 1, nb - 1)] * s0
-                for h in range(nh):
-                    for c in range(nc):
-                        off = h * s1 + channels[i, h, c] * s3
-                        if ahead:
-                            for p in range(0, block_size, per_line):
-                                _prefetch(words, nxt + off + p)
-                        src = words[base + off : base + off + block_size]
-                        lo = (h * nc + c) * span + kk * block_size
-                        dst = tile_bits[lo : lo + block_size]
-                        for t in range(block_size):
-                            dst[t] = np.uint32(src[t]) << shift
+            # 1. gather the tile's keys, prefetching the next block's (one loop nest per storage kind)
+            if contiguous:
+                _gather_runs(
+                    words, words32, shift, ids, k0, kn, s0, s2, s3, chan_off, block_size, tile_tokens, tile_bits
+                )
+            elif pairs:
+                _gather_pairs(
+                    words, words32, shift, ids, k0, kn, s0, s2, s3, chan_off, block_size, tile_tokens, tile_bits
+                )
+            else:
+                _gather_strided(
+                    words, words32, shift, ids, k0, kn, s0, s2, s3, chan_off, block_size, tile_tokens, tile_bits
+                )
             for h in range(nh):
                 # 2. logits of the KV head's query heads over the tile
                 for g in range(group):

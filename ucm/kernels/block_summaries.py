@@ -14,6 +14,9 @@ the tables live beside the paged cache and a block's summary is found from the b
 Min and max are exact in any precision (no rounding: every bf16/fp16 value is an fp32 value), so all
 implementations agree bit for bit.
 
+Keys are read in place from the paged cache, in either form of ``ucm.kernels.paged_keys`` (plain ``[num_blocks,
+num_kv_heads, block_size, head_dim]``, or tiled for CPU_ATTN_AMX); every path addresses the tiled form.
+
 Implementations (``impl=``): ``"triton"`` (one program per (block, head); the default on CUDA; the interpreter on
 CPU tensors, tests only), ``"torch"`` (vectorized masked ``amin``/``amax``: the CPU path and the default elsewhere);
 :func:`block_summaries_reference` is the test oracle (a loop over blocks).
@@ -28,38 +31,15 @@ import triton
 import triton.language as tl
 
 from ucm.kernels._block_copy import _interpreted
-from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views, paged_shape
+from ucm.kernels.paged_keys import block_keys, key_geometry, key_tiling
 
 IMPLS = ("auto", "triton", "torch")
-
-
-def paged_keys(cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """The keys of one layer's paged KV as a strided view ``[num_blocks, num_kv_heads, block_size, head_dim]``.
-
-    CPU_ATTN stores K transposed per (block, head), so the view's last two dims have strides ``(1, block_size)``;
-    FLASH_NHD's are ``(num_kv_heads * head_dim, 1)``.
-
-    Raises:
-        ValueError: ``layout`` is MLA (a latent has no per-head keys to bound) or ``cache`` does not fit ``layout``.
-    """
-    paged_shape(layout, cache)
-    if layout == KVLayout.CPU_ATTN:
-        k, _ = cpu_attn_kv_views(cache)  # [nb, H, D, bs]
-        return k.transpose(-1, -2)
-    if layout == KVLayout.FLASH_NHD:
-        return cache[0].permute(0, 2, 1, 3)  # [nb, bs, H, D] -> [nb, H, bs, D]
-    raise ValueError(
-        f"block summaries need per-head keys; layout {layout.value!r} is not supported; allowed: "
-        f"{[KVLayout.CPU_ATTN.value, KVLayout.FLASH_NHD.value]}"
-    )
 
 
 def _check(
     keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
 ) -> None:
-    if keys.dim() != 4:
-        raise ValueError(f"keys must be [num_blocks, num_kv_heads, block_size, head_dim], got {tuple(keys.shape)}")
-    nb, h, bs, d = keys.shape
+    nb, h, bs, d = key_geometry(keys)
     for name, t in (("kmin", kmin), ("kmax", kmax)):
         if tuple(t.shape) != (nb, h, d) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(
@@ -93,15 +73,17 @@ def block_summaries(
     """Write the key bounds of blocks ``block_ids`` (over their first ``counts`` tokens) into ``kmin``/``kmax``.
 
     Args:
-        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` strided view of the paged keys
-            (:func:`paged_keys`), float16/bfloat16/float32.
+        keys: paged keys (``ucm.kernels.paged_keys.paged_keys``), plain ``[num_blocks, num_kv_heads, block_size,
+            head_dim]`` or tiled ``[num_blocks, num_kv_heads, block_size / TT, TT, head_dim / TD, TD]``, any
+            strides, float16/bfloat16/float32.
         block_ids: int64 ``[n]`` vLLM block ids (distinct), same device.
         counts: integer ``[n]``, tokens filled in each block, in ``[1, block_size]``.
         kmin, kmax: float32 ``[num_blocks, num_kv_heads, head_dim]`` tables; rows ``block_ids`` are overwritten.
         impl: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, out-of-range ids or counts, or unknown ``impl``.
+        ValueError: bad shapes (keys neither plain nor tiled), dtypes, devices, out-of-range ids or counts, or
+            unknown ``impl``.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
@@ -119,13 +101,14 @@ def block_summaries(
 def block_summaries_reference(
     keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Test oracle: ``(kmin, kmax)``, each float32 ``[n, num_kv_heads, head_dim]``, one block at a time."""
+    """Test oracle: ``(kmin, kmax)``, each float32 ``[n, num_kv_heads, head_dim]``, one block at a time (``keys``
+    plain or tiled, as :func:`block_summaries`)."""
     outs_min, outs_max = [], []
     for b, c in zip(block_ids.tolist(), counts.tolist(), strict=True):
-        k = keys[b, :, :c].float()  # [H, c, D]
+        k = block_keys(keys, [b])[0, :, :c].float()  # [H, c, D]
         outs_min.append(k.amin(dim=1))
         outs_max.append(k.amax(dim=1))
-    h, d = keys.shape[1], keys.shape[3]
+    _, h, _, d = key_geometry(keys)
     if not outs_min:
         empty = torch.empty((0, h, d), dtype=torch.float32)
         return empty, empty.clone()
@@ -135,7 +118,7 @@ def block_summaries_reference(
 def _summaries_torch(
     keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
 ) -> None:
-    k = keys[block_ids].float()  # [n, H, bs, D]
+    k = block_keys(keys, block_ids).float()  # [n, H, bs, D]
     bs = k.shape[2]
     filled = (torch.arange(bs, device=k.device)[None, :] < counts.to(k.device)[:, None])[:, None, :, None]
     kmin.index_copy_(0, block_ids, torch.where(filled, k, float("inf")).amin(dim=2))
@@ -144,18 +127,23 @@ def _summaries_torch(
 
 @triton.jit
 def _block_summaries_kernel(
-    k_ptr,  # paged keys, element (b, h, t, d) at b*stride_b + h*stride_h + t*stride_t + d*stride_d
+    k_ptr,  # paged keys, tiled: element (b, h, t, d) at b*stride_b + h*stride_h + (t // TILE_T)*stride_tile_t
+    #         + (t % TILE_T)*stride_t + (d // TILE_D)*stride_tile_d + (d % TILE_D)*stride_d
     ids_ptr,  # [n] int64 block ids
     counts_ptr,  # [n] int64 tokens filled per block
     kmin_ptr,  # [num_blocks, H, D] float32
     kmax_ptr,  # [num_blocks, H, D] float32
     stride_b,
     stride_h,
+    stride_tile_t,
     stride_t,
+    stride_tile_d,
     stride_d,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE_T: tl.constexpr,  # tokens per token tile (block_size for plain keys)
+    TILE_D: tl.constexpr,  # components per component group (head_dim for plain keys)
     BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
 ):
@@ -167,7 +155,9 @@ def _block_summaries_kernel(
     o_d = tl.arange(0, BLOCK_D).to(tl.int64)
     m_d = o_d < HEAD_DIM
     m_td = ((o_t < count) & (o_t < BLOCK_SIZE))[:, None] & m_d[None, :]  # [BT, BD]
-    p_k = k_ptr + b * stride_b + h * stride_h + o_t[:, None] * stride_t + o_d[None, :] * stride_d
+    o_kt = (o_t // TILE_T) * stride_tile_t + (o_t % TILE_T) * stride_t  # [BT] token offsets
+    o_kd = (o_d // TILE_D) * stride_tile_d + (o_d % TILE_D) * stride_d  # [BD] component offsets
+    p_k = k_ptr + b * stride_b + h * stride_h + o_kt[:, None] + o_kd[None, :]
     b_k = tl.load(p_k, mask=m_td, other=0.0).to(tl.float32)  # [BT, BD]
     b_min = tl.min(tl.where(m_td, b_k, float("inf")), axis=0)  # [BD]
     b_max = tl.max(tl.where(m_td, b_k, float("-inf")), axis=0)
@@ -176,17 +166,22 @@ def _block_summaries_kernel(
     tl.store(kmax_ptr + o_out, b_max, mask=m_d)
 
 
-def summaries_kernel_meta(block_size: int, head_dim: int) -> dict[str, int]:
-    """The constexprs of ``_block_summaries_kernel`` derived from the shape (also used by the sm_90 compile test)."""
-    return {"BLOCK_T": triton.next_power_of_2(block_size), "BLOCK_D": triton.next_power_of_2(head_dim)}
+def summaries_kernel_meta(block_size: int, head_dim: int, tile_tokens: int, tile_dims: int) -> dict[str, int]:
+    """The constexprs of ``_block_summaries_kernel`` derived from the shape and the keys' tiling (``TT``, ``TD`` of
+    ``ucm.kernels.paged_keys.key_tiling``; also used by the sm_90 compile test)."""
+    return {
+        "BLOCK_T": triton.next_power_of_2(block_size),
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "TILE_T": tile_tokens,
+        "TILE_D": tile_dims,
+    }
 
 
 def _summaries_triton(
     keys: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
 ) -> None:
-    nb, h, bs, d = keys.shape
-    del nb
-    sb, sh, st, sd = keys.stride()
+    _, h, bs, d = key_geometry(keys)
+    strides, tile_tokens, tile_dims = key_tiling(keys)
     grid = (block_ids.numel(), h)
     kernel = _interpreted(_block_summaries_kernel) if keys.device.type == "cpu" else _block_summaries_kernel
     kernel[grid](
@@ -195,13 +190,10 @@ def _summaries_triton(
         counts.to(torch.int64),
         kmin,
         kmax,
-        sb,
-        sh,
-        st,
-        sd,
+        *strides,
         NUM_HEADS=h,
         HEAD_DIM=d,
         BLOCK_SIZE=bs,
         num_warps=1 if os.environ.get("TRITON_INTERPRET") == "1" else 4,
-        **summaries_kernel_meta(bs, d),
+        **summaries_kernel_meta(bs, d, tile_tokens, tile_dims),
     )

@@ -8,8 +8,8 @@ views, so the result is bit-exact for every dtype (bf16, fp16, fp32, fp8 as byte
 Implementations, all with identical results (``impl=``):
 - ``"triton"``: one launch of ``ucm.kernels._block_copy._block_copy_kernel`` for all layers; the default on CUDA.
   On CPU tensors it runs in the Triton interpreter (tests only: slow).
-- ``"cpu"``: the CPU fast path (a ``memmove`` per contiguous run; numba with 4x4 word-tile transposes for
-  CPU_ATTN); the default on CPU.
+- ``"cpu"``: the CPU fast path (a ``memmove`` per contiguous run; numba vector-tile transposes for CPU_ATTN and
+  CPU_ATTN_AMX); the default on CPU.
 - ``"torch"``: strided torch copies, any device; the default on devices other than CPU and CUDA.
 - :func:`gather_blocks_reference`: the test oracle, looping over blocks, layers and heads.
 """
@@ -23,6 +23,7 @@ import torch
 from ucm.kernels._block_copy import Impl, copy_blocks, resolve_impl
 from ucm.kernels.layouts import (
     KVLayout,
+    amx_offsets,
     canonical_shard_shape,
     check_block_ids,
     check_paged_caches,
@@ -61,7 +62,7 @@ def gather_blocks(
 
     Args:
         kv_caches: one contiguous paged KV tensor per layer, all the same shape/dtype/device, in ``layout``
-            (CPU_ATTN ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``; FLASH_NHD
+            (CPU_ATTN and CPU_ATTN_AMX ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``; FLASH_NHD
             ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; MLA ``[num_blocks, block_size, latent_dim]``).
             Any dtype (bf16, fp16, fp32, fp8, ...): elements are moved as same-width integers.
         block_ids: int32/int64 ``[n]`` vLLM block ids, on any device (repeats allowed: the block is copied again).
@@ -134,6 +135,7 @@ def gather_blocks_reference(
         device=kv_caches[0].device,
     )
     o = int_view(out)
+    k_off, v_off = amx_offsets(block_size, head_dim)  # used by CPU_ATTN_AMX
     for i, b in enumerate(ids):
         for layer, cache in enumerate(kv_caches):
             c = int_view(cache)
@@ -145,6 +147,10 @@ def gather_blocks_reference(
                     flat = c[b, h].reshape(-1)  # K^T [D, bs] then V [bs, D]
                     o[i, layer, 0, :, h, :] = flat[: head_dim * block_size].reshape(head_dim, block_size).t()
                     o[i, layer, 1, :, h, :] = flat[head_dim * block_size :].reshape(block_size, head_dim)
+                elif layout == KVLayout.CPU_ATTN_AMX:
+                    flat = c[b, h].reshape(-1)  # K region then V region, elements where amx_offsets says
+                    o[i, layer, 0, :, h, :] = flat[k_off]
+                    o[i, layer, 1, :, h, :] = flat[head_dim * block_size + v_off]
                 else:
                     o[i, layer, 0, :, h, :] = c[0, b, :, h, :]
                     o[i, layer, 1, :, h, :] = c[1, b, :, h, :]

@@ -14,8 +14,19 @@ vLLM layouts (one tensor per attention layer):
 - ``KVLayout.CPU_ATTN``: vLLM's CPU backend (``CPU_ATTN``, kernel variants ``vec`` and ``vec16``). Shape
   ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, but that shape is only storage: for each
   (block, kv head) memory holds K transposed ``[head_dim, block_size]`` then V ``[block_size, head_dim]``.
-  Verified against ``torch.ops._C.cpu_attn_reshape_and_cache`` (vLLM 0.32). The ``amx`` variant stores K in
-  another tiling and is refused (see ``ucm.integration.vllm.layout``).
+  Verified against ``torch.ops._C.cpu_attn_reshape_and_cache`` (vLLM 0.32).
+- ``KVLayout.CPU_ATTN_AMX``: the same backend's ``amx`` kernel variant (bf16 models on CPUs with AMX tiles). Same
+  tensor shape and the same per-(block, kv head) split into a K region of ``block_size * head_dim`` elements then
+  a V region; inside each region the elements sit in the VNNI tiles AMX reads, two bf16 values per 32-bit word
+  (:func:`amx_offsets`)::
+
+      K[t, d] at (t // 16) * (16 * head_dim) + (d // 2) * 32 + (t % 16) * 2 + d % 2      (K region)
+      V[t, d] at (d // 16) * (16 * block_size) + (t // 2) * 32 + (d % 16) * 2 + t % 2    (V region)
+
+  i.e. K is 16-token tiles of ``[head_dim / 2, 16 tokens, 2 dims]`` and V is 16-dim tiles of ``[block_size / 2,
+  16 dims, 2 tokens]``. Verified bit for bit against vLLM 0.32's own writes (``cpu_attn_reshape_and_cache(...,
+  "amx")``, captured on an AMX Xeon). 2-byte dtypes only, ``block_size`` and ``head_dim`` multiples of 32 (vLLM
+  picks ``amx`` only for bf16 with ``block_size % 32 == 0``; a ``head_dim`` not a multiple of 32 gets ``vec16``).
 - ``KVLayout.FLASH_NHD``: FlashAttention and Triton backends, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 - ``KVLayout.MLA``: multi-head latent attention (DeepSeek-style), ``[num_blocks, block_size, latent_dim]``. For MLA,
   ``num_kv_heads`` is 1 and ``head_dim`` means ``latent_dim`` in the helpers below.
@@ -33,9 +44,16 @@ class KVLayout(str, enum.Enum):
     """Memory layout of vLLM's paged KV cache, per attention layer."""
 
     CPU_ATTN = "cpu_attn"
+    CPU_ATTN_AMX = "cpu_attn_amx"
     FLASH_NHD = "flash_nhd"
     MLA = "mla"
 
+
+# The layouts of vLLM's CPU backend: one tensor shape, ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``.
+CPU_LAYOUTS = (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX)
+AMX_TILE = 16  # CPU_ATTN_AMX: tokens per K tile, dims per V tile
+AMX_PACK = 2  # CPU_ATTN_AMX: bf16 values per 32-bit VNNI word (K: 2 dims of one token; V: 2 tokens of one dim)
+AMX_MULTIPLE = 32  # CPU_ATTN_AMX: block_size and head_dim must be multiples of this
 
 # Copies run on same-width integer views so they are bit-exact (NaN payloads, -0.0) and work for fp8 too.
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -62,12 +80,14 @@ def paged_shape(layout: KVLayout, cache: torch.Tensor) -> tuple[int, int, int, i
     """
     if not cache.is_contiguous():
         raise ValueError(f"paged KV tensor must be contiguous (layout {layout.value}, shape {tuple(cache.shape)})")
-    if layout == KVLayout.CPU_ATTN:
+    if layout in CPU_LAYOUTS:
         if cache.dim() != 4 or cache.shape[3] % 2:
             raise ValueError(
-                f"CPU_ATTN KV must be [num_blocks, num_kv_heads, block_size, 2*head_dim], got {tuple(cache.shape)}"
+                f"{layout.name} KV must be [num_blocks, num_kv_heads, block_size, 2*head_dim], got {tuple(cache.shape)}"
             )
         nb, h, bs, two_d = cache.shape
+        if layout == KVLayout.CPU_ATTN_AMX:
+            check_amx_geometry(cache.element_size(), bs, two_d // 2)
         return nb, bs, h, two_d // 2
     if layout == KVLayout.FLASH_NHD:
         if cache.dim() != 5 or cache.shape[0] != 2:
@@ -104,18 +124,68 @@ def check_paged_caches(kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> t
     return shape
 
 
-def cpu_attn_kv_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views of one CPU_ATTN layer tensor ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``.
+def check_amx_geometry(element_size: int, block_size: int, head_dim: int) -> None:
+    """Check that a CPU_ATTN_AMX cache can have this element size and shape.
 
-    Returns:
-        ``(k, v)``: ``k`` is ``[num_blocks, num_kv_heads, head_dim, block_size]`` (K stored transposed) and ``v`` is
-        ``[num_blocks, num_kv_heads, block_size, head_dim]``; both are views (no copy) of ``cache``'s memory.
+    Raises:
+        ValueError: not 2-byte elements, or ``block_size`` / ``head_dim`` not a multiple of ``AMX_MULTIPLE``.
     """
+    if element_size != 2:
+        raise ValueError(
+            f"CPU_ATTN_AMX packs two 16-bit values per 32-bit word: element size must be 2 bytes (bf16), got "
+            f"{element_size}"
+        )
+    if block_size % AMX_MULTIPLE or head_dim % AMX_MULTIPLE:
+        raise ValueError(
+            f"CPU_ATTN_AMX needs block_size and head_dim multiples of {AMX_MULTIPLE}, got block_size={block_size}, "
+            f"head_dim={head_dim}"
+        )
+
+
+def amx_offsets(block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where CPU_ATTN_AMX puts each token's K and V inside one (block, kv head): int64 ``[block_size, head_dim]``
+    element offsets of ``K[t, d]`` within the K region and of ``V[t, d]`` within the V region (the formulas in the
+    module doc; the K region is the first ``block_size * head_dim`` elements of the (block, head), V the next)."""
+    t = torch.arange(block_size, dtype=torch.int64)[:, None]
+    d = torch.arange(head_dim, dtype=torch.int64)[None, :]
+    n, p = AMX_TILE, AMX_PACK
+    k = (t // n) * (n * head_dim) + (d // p) * (n * p) + (t % n) * p + d % p
+    v = (d // n) * (n * block_size) + (t // p) * (n * p) + (d % n) * p + t % p
+    return k, v
+
+
+def cpu_attn_kv_views(cache: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one CPU layer tensor ``[num_blocks, num_kv_heads, block_size, 2*head_dim]`` (CPU_ATTN or
+    CPU_ATTN_AMX) as views of its memory (no copy) whose dims, read in order, are canonical ``[num_blocks,
+    block_size, num_kv_heads, head_dim]``, with ``block_size`` and ``head_dim`` split where the layout tiles them:
+
+    - CPU_ATTN: ``k`` and ``v`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``k`` strided: K is stored
+      transposed);
+    - CPU_ATTN_AMX: ``k`` is ``[num_blocks, block_size / 16, 16, num_kv_heads, head_dim / 2, 2]`` and ``v`` is
+      ``[num_blocks, block_size / 2, 2, num_kv_heads, head_dim / 16, 16]``.
+
+    So ``canonical_part.view(n, *k.shape[1:])`` (a ``[n, block_size, num_kv_heads, head_dim]`` K or V part with
+    contiguous dims) lines up element for element with ``k[block_ids]``.
+
+    Raises:
+        ValueError: ``layout`` is not a CPU layout, or ``cache`` does not fit it.
+    """
+    if layout not in CPU_LAYOUTS:
+        raise ValueError(f"layout must be one of {[lay.value for lay in CPU_LAYOUTS]}, got {layout!r}")
+    paged_shape(layout, cache)
     num_blocks, num_kv_heads, block_size, two_d = cache.shape
     head_dim = two_d // 2
     halves = cache.view(num_blocks, num_kv_heads, 2, block_size * head_dim)
-    k = halves[:, :, 0].unflatten(-1, (head_dim, block_size))
-    v = halves[:, :, 1].unflatten(-1, (block_size, head_dim))
+    k, v = halves[:, :, 0], halves[:, :, 1]  # [nb, H, bs * D] regions
+    if layout == KVLayout.CPU_ATTN:
+        k = k.unflatten(-1, (head_dim, block_size)).permute(0, 3, 1, 2)  # K^T [nb, H, D, bs] -> [nb, bs, H, D]
+        v = v.unflatten(-1, (block_size, head_dim)).transpose(1, 2)  # [nb, H, bs, D] -> [nb, bs, H, D]
+        return k, v
+    n, p = AMX_TILE, AMX_PACK
+    # K region [bs/16, D/2, 16, 2] (token tile, dim pair, token, dim) -> [bs/16, 16, H, D/2, 2]
+    k = k.unflatten(-1, (block_size // n, head_dim // p, n, p)).permute(0, 2, 4, 1, 3, 5)
+    # V region [D/16, bs/2, 16, 2] (dim tile, token pair, dim, token) -> [bs/2, 2, H, D/16, 16]
+    v = v.unflatten(-1, (head_dim // n, block_size // p, n, p)).permute(0, 3, 5, 1, 2, 4)
     return k, v
 
 

@@ -18,6 +18,7 @@ import torch
 from ucm.kernels._block_copy import Impl, copy_blocks, resolve_impl
 from ucm.kernels.layouts import (
     KVLayout,
+    amx_offsets,
     canonical_shard_shape,
     check_block_ids,
     check_paged_caches,
@@ -121,6 +122,7 @@ def scatter_blocks_reference(
         blocks, kv_caches, layout, block_ids, layer_major=False, name="blocks"
     )
     src = int_view(blocks)
+    k_off, v_off = amx_offsets(block_size, head_dim)  # used by CPU_ATTN_AMX
     for i, b in enumerate(ids.tolist()):
         for layer, cache in enumerate(kv_caches):
             c = int_view(cache)
@@ -132,6 +134,10 @@ def scatter_blocks_reference(
                     flat = c[b, h].view(-1)
                     flat[: head_dim * block_size] = src[i, layer, 0, :, h, :].t().reshape(-1)
                     flat[head_dim * block_size :] = src[i, layer, 1, :, h, :].reshape(-1)
+                elif layout == KVLayout.CPU_ATTN_AMX:
+                    flat = c[b, h].view(-1)  # K region then V region, elements where amx_offsets says
+                    flat[k_off] = src[i, layer, 0, :, h, :]
+                    flat[head_dim * block_size + v_off] = src[i, layer, 1, :, h, :]
                 else:
                     c[0, b, :, h, :] = src[i, layer, 0, :, h, :]
                     c[1, b, :, h, :] = src[i, layer, 1, :, h, :]

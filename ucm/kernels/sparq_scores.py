@@ -14,9 +14,11 @@ head ``j``'s attention block ``w`` would get is then ``softmax_w(lse[r, j, :])``
 returning per-block log-sum-exps rather than per-token logits keeps the output ``block_size`` times smaller and
 lets a GPU program finish a block in one pass.
 
-Keys are read in place from vLLM's paged cache (a strided view ``[num_blocks, num_kv_heads, block_size,
-head_dim]``). In the CPU_ATTN layout a block's keys are stored transposed, so one component of one block is one
-contiguous run of ``block_size`` values: the CPU paths read exactly those runs, in ascending block id order.
+Keys are read in place from vLLM's paged cache, in either form of ``ucm.kernels.paged_keys`` (plain ``[num_blocks,
+num_kv_heads, block_size, head_dim]`` strided view, or tiled ``[num_blocks, num_kv_heads, block_size / TT, TT,
+head_dim / TD, TD]``). In the CPU_ATTN layout a block's keys are stored transposed, so one component of one block is
+one contiguous run of ``block_size`` values; in CPU_ATTN_AMX it is one run of 16 values at stride 2 per 16-token tile
+(one 64-byte cache line in bf16). The CPU paths read exactly those runs, in ascending block id order.
 
 The sum over components is an fp32 reduction whose order differs between implementations; results agree to fp32
 rounding (tests use a tolerance), not bit for bit.
@@ -24,7 +26,7 @@ rounding (tests use a tolerance), not bit for bit.
 Implementations (``impl=``): ``"triton"`` (one program per (request, KV head, block), all query heads of the KV head
 at once; the default on CUDA; the interpreter on CPU tensors, tests only), ``"numba"`` (one fused pass: gather with
 prefetch, logits and log-sum-exp per tile of blocks, see ``ucm.kernels._numba_sparq``; the default on CPU for
-bf16/fp32 keys whose tokens are contiguous, as in CPU_ATTN) and ``"torch"`` (row gather + batched matmul +
+bf16/fp32 keys in vLLM's CPU layouts, :func:`numba_applies`) and ``"torch"`` (gather + batched matmul +
 ``logsumexp``: any other CPU case); :func:`sparq_block_lse_reference` is the oracle (loops over requests, heads and
 blocks).
 """
@@ -39,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ucm.kernels._block_copy import _interpreted
+from ucm.kernels.paged_keys import block_keys, key_geometry, key_tiling, tiled_keys
 
 IMPLS = ("auto", "triton", "numba", "torch")
 
@@ -46,12 +49,9 @@ IMPLS = ("auto", "triton", "numba", "torch")
 def _check(
     q: torch.Tensor, channels: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
 ) -> None:
-    if keys.dim() != 4 or keys.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(
-            "keys must be float16/bfloat16/float32 [num_blocks, num_kv_heads, block_size, head_dim], got "
-            f"{keys.dtype} {tuple(keys.shape)}"
-        )
-    _, h, bs, d = keys.shape
+    _, h, bs, d = key_geometry(keys)
+    if keys.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"keys must be float16/bfloat16/float32, got {keys.dtype}")
     if q.dim() != 3 or q.dtype != torch.float32:
         raise ValueError(f"q must be float32 [R, num_heads, C], got {q.dtype} {tuple(q.shape)}")
     r, hq, c = q.shape
@@ -92,7 +92,9 @@ def sparq_block_lse(
         q: float32 ``[R, num_heads, C]``, each query head's components at its KV head's ``channels``, times the
             head's softmax scale.
         channels: int64 ``[R, num_kv_heads, C]``, the key components read per row and KV head, in ``[0, head_dim)``.
-        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view), float16/bfloat16/float32.
+        keys: paged keys (``ucm.kernels.paged_keys.paged_keys``), plain ``[num_blocks, num_kv_heads, block_size,
+            head_dim]`` or tiled ``[num_blocks, num_kv_heads, block_size / TT, TT, head_dim / TD, TD]``, any strides,
+            float16/bfloat16/float32.
         block_table: int32/int64 ``[R, W]`` vLLM block ids of each request, in token order; entries past a row's
             ``ceil(seq_lens / block_size)`` blocks are not read.
         seq_lens: int32/int64 ``[R]`` tokens per request, in ``[0, W * block_size]``.
@@ -100,8 +102,8 @@ def sparq_block_lse(
             ``"torch"``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices or channel indices, unknown ``impl``, or ``"numba"`` for keys it
-            does not take (not on CPU, not bf16/fp32, or tokens not contiguous).
+        ValueError: bad shapes (keys neither plain nor tiled), dtypes, devices or channel indices, unknown
+            ``impl``, or ``"numba"`` for keys it does not take (:func:`numba_applies`).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
@@ -112,7 +114,8 @@ def sparq_block_lse(
         if not numba_applies(keys):
             raise ValueError(
                 "impl='numba' takes CPU keys of dtype bfloat16 or float32 whose tokens are contiguous (stride 1, as "
-                f"in CPU_ATTN), got {keys.dtype} on {keys.device} with strides {tuple(keys.stride())}"
+                "in CPU_ATTN) or in tiles whose run of one component fits a cache line (as in CPU_ATTN_AMX), got "
+                f"{keys.dtype} on {keys.device} of shape {tuple(keys.shape)} with strides {tuple(keys.stride())}"
             )
         return _lse_numba(q, channels, keys, block_table, seq_lens)
     if impl == "triton":
@@ -126,44 +129,58 @@ def sparq_block_lse(
 def sparq_block_lse_reference(
     q: torch.Tensor, channels: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
 ) -> torch.Tensor:
-    """Test oracle: the same ``[R, num_heads, W]`` log-sum-exps, one request, head and block at a time."""
+    """Test oracle: the same ``[R, num_heads, W]`` log-sum-exps, one request, head and block at a time (``keys``
+    plain or tiled, as :func:`sparq_block_lse`)."""
     r, hq, _ = q.shape
-    h, bs = keys.shape[1], keys.shape[2]
+    _, h, bs, _ = key_geometry(keys)
     group = hq // h
     out = torch.full((r, hq, block_table.shape[1]), float("-inf"), dtype=torch.float32)
     for i in range(r):
         length = int(seq_lens[i])
         for w in range(-(-length // bs)):
             count = min(bs, length - w * bs)
-            b = int(block_table[i, w])
+            block = block_keys(keys, [int(block_table[i, w])])[0]  # [H, bs, D]
             for j in range(hq):
-                k = keys[b, j // group, :count][:, channels[i, j // group]].float()  # [count, C]
+                k = block[j // group, :count][:, channels[i, j // group]].float()  # [count, C]
                 out[i, j, w] = torch.logsumexp(k @ q[i, j], dim=0)
     return out
 
 
 def _key_rows(keys: torch.Tensor) -> torch.Tensor | None:
     """``keys`` as rows of ``block_size`` contiguous values, one per (block, KV head, component): a 2-D view
-    ``[rows, block_size]`` whose row ``(b * s0 + h * s1 + c * s3) / s3`` is ``keys[b, h, :, c]`` (``s``: the
-    strides of ``keys``); ``None`` where the layout has no such view (tokens not contiguous, or block/head strides
-    not multiples of the component's)."""
-    s0, s1, s2, s3 = keys.stride()
-    if s2 != 1 or s3 < 1 or s0 % s3 or s1 % s3:
+    ``[rows, block_size]`` whose row ``(b * s0 + h * s1 + c * sc) / sc`` is block ``b``'s keys of head ``h`` at
+    component ``c`` (``s0``, ``s1``: the block and head strides, ``sc`` the component's); ``None`` where the layout
+    has no such view (tokens not contiguous or in several tiles, components in groups, or block/head strides not
+    multiples of the component's). CPU_ATTN has one; CPU_ATTN_AMX and FLASH_NHD do not."""
+    nb, h, bs, d = key_geometry(keys)
+    (s0, s1, _, st, _, sc), tile_tokens, tile_dims = key_tiling(keys)
+    if tile_tokens != bs or tile_dims != d or st != 1 or sc < 1 or s0 % sc or s1 % sc:
         return None
-    nb, h, bs, d = keys.shape
-    rows = ((nb - 1) * s0 + (h - 1) * s1 + (d - 1) * s3) // s3 + 1
-    return keys.as_strided((rows, bs), (s3, 1))
+    rows = ((nb - 1) * s0 + (h - 1) * s1 + (d - 1) * sc) // sc + 1
+    return keys.as_strided((rows, bs), (sc, 1))
+
+
+_LINE_BYTES = 64  # bytes per cache line
 
 
 def numba_applies(keys: torch.Tensor) -> bool:
-    """Whether the numba kernel takes ``keys``: on CPU, bf16 or fp32, tokens contiguous."""
-    return keys.device.type == "cpu" and keys.dtype in (torch.bfloat16, torch.float32) and keys.stride(2) == 1
+    """Whether the numba kernel takes ``keys`` (plain or tiled): on CPU, bf16 or fp32, non-negative strides, and
+    each token tile's run of one component either contiguous (token stride 1: CPU_ATTN, one tile of
+    ``block_size`` tokens) or within one cache line (CPU_ATTN_AMX: 16 tokens at stride 2, 64 bytes in bf16)."""
+    if keys.device.type != "cpu" or keys.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    strides, tile_tokens, _ = key_tiling(keys)
+    token_stride = strides[3]
+    if min(strides) < 0 or token_stride < 1:
+        return False
+    return token_stride == 1 or (tile_tokens - 1) * token_stride * keys.element_size() < _LINE_BYTES
 
 
 def key_words(keys: torch.Tensor) -> tuple[np.ndarray, np.uint32]:
-    """The storage of bf16/fp32 ``keys`` from their first element as a 1-D numpy array of ``uint16`` (bf16) or
-    ``uint32`` (fp32), no copy, and the left shift that widens a word to fp32 bits (16 or 0): the numba kernel's
-    view of the paged cache (key ``[b, h, t, c]`` at ``b * s0 + h * s1 + t * s2 + c * s3``, ``s`` its strides)."""
+    """The storage of bf16/fp32 ``keys`` (plain or tiled) from their first element as a 1-D numpy array of
+    ``uint16`` (bf16) or ``uint32`` (fp32), no copy, and the left shift that widens a word to fp32 bits (16 or 0):
+    the numba kernel's view of the paged cache (key ``(b, h, t, c)`` at the tiled offset of
+    ``ucm.kernels.paged_keys``, in words)."""
     span = sum((size - 1) * stride for size, stride in zip(keys.shape, keys.stride(), strict=True)) + 1
     flat = keys.as_strided((span,), (1,))
     if keys.dtype == torch.bfloat16:
@@ -194,11 +211,11 @@ def _lse_numba(
 ) -> torch.Tensor:
     from ucm.kernels import _numba_sparq  # numba is slow to import: only when the CPU path first runs
 
-    nb, _, bs, _ = keys.shape
+    nb, _, bs, _ = key_geometry(keys)
     out = torch.full((q.shape[0], q.shape[1], block_table.shape[1]), float("-inf"), dtype=torch.float32)
     if out.numel() == 0:
         return out
-    s0, s1, _, s3 = keys.stride()
+    (s0, s1, s2, s3, s4, s5), tile_tokens, tile_dims = key_tiling(keys)
     words, shift = key_words(keys)
     lens = seq_lens.long()
     status = _numba_sparq.block_lse(
@@ -208,7 +225,12 @@ def _lse_numba(
         shift,
         s0,
         s1,
+        s2,
         s3,
+        s4,
+        s5,
+        tile_tokens,
+        tile_dims,
         block_table.contiguous().numpy(),
         lens.numpy(),
         bs,
@@ -225,7 +247,7 @@ def _lse_torch(
     q: torch.Tensor, channels: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
 ) -> torch.Tensor:
     r, hq, c = q.shape
-    _, h, bs, _ = keys.shape
+    _, h, bs, _ = key_geometry(keys)
     w = block_table.shape[1]
     cols = torch.arange(w, device=q.device)
     n = torch.div(seq_lens.long() + bs - 1, bs, rounding_mode="floor")
@@ -241,11 +263,14 @@ def _lse_torch(
     rows = _key_rows(keys)
     if rows is not None:
         # Row ids ordered (request, KV head, component, block): the gathered runs form [R, H, C, W * block_size].
-        s0, s1, _, s3 = keys.stride()
-        row_ids = (ids[:, None, None, :] * (s0 // s3) + heads[None, :, None, None] * (s1 // s3)) + channels[..., None]
+        (s0, s1, _, _, _, sc), _, _ = key_tiling(keys)
+        row_ids = (ids[:, None, None, :] * (s0 // sc) + heads[None, :, None, None] * (s1 // sc)) + channels[..., None]
         k = rows.index_select(0, row_ids.flatten()).view(r, h, c, w * bs)
-    else:  # any other layout: advanced indexing gives [R, H, C, W, block_size]
-        k = keys[ids[:, None, None, :], heads[None, :, None, None], :, channels[..., None]].reshape(r, h, c, w * bs)
+    else:  # any other layout, on the tiled form: advanced indexing gives [R, H, C, W, tiles, tile tokens]
+        tile_dims = key_tiling(keys)[2]
+        group, within = (channels // tile_dims)[..., None], (channels % tile_dims)[..., None]
+        k = tiled_keys(keys)[ids[:, None, None, :], heads[None, :, None, None], :, :, group, within]
+        k = k.reshape(r, h, c, w * bs)
     logits = torch.matmul(q.view(r, h, hq // h, c), k.float()).view(r, hq, w, bs)  # blocks in gather order
     lse = torch.logsumexp(logits, dim=-1)  # [R, HQ, W]
     # Only a row's last block can hold tokens past its length: redo that block with them masked.
@@ -263,13 +288,16 @@ def _lse_torch(
 def _sparq_lse_kernel(
     q_ptr,  # [R, HQ, C] float32 contiguous
     ch_ptr,  # [R, NUM_KV_HEADS, C] int64 contiguous
-    k_ptr,  # paged keys, strided
+    k_ptr,  # paged keys, tiled: (b, h, t, c) at b*stride_kb + h*stride_kh + (t // TILE_T)*stride_ktt
+    #         + (t % TILE_T)*stride_kt + (c // TILE_D)*stride_kdd + (c % TILE_D)*stride_kd
     table_ptr,  # [R, W] block ids
     lens_ptr,  # [R] tokens per request
     out_ptr,  # [R, HQ, W] float32
     stride_kb,
     stride_kh,
+    stride_ktt,
     stride_kt,
+    stride_kdd,
     stride_kd,
     stride_table,
     W,
@@ -277,6 +305,8 @@ def _sparq_lse_kernel(
     HQ: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE_T: tl.constexpr,  # tokens per token tile (block_size for plain keys)
+    TILE_D: tl.constexpr,  # components per component group (head_dim for plain keys)
     BLOCK_G: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -291,11 +321,12 @@ def _sparq_lse_kernel(
     m_t = (o_t < BLOCK_SIZE) & (o_t < count)
     b = tl.load(table_ptr + r * stride_table + w, mask=count > 0, other=0).to(tl.int64)
     heads = r * HQ + h * group + o_g  # [BG] rows of q and out
-    base = k_ptr + b * stride_kb + h * stride_kh + o_t * stride_kt  # [BT]
+    p_t = k_ptr + b * stride_kb + h * stride_kh + (o_t // TILE_T) * stride_ktt + (o_t % TILE_T) * stride_kt  # [BT]
     s = tl.zeros((BLOCK_G, BLOCK_T), dtype=tl.float32)
     for i in range(C):
-        c = tl.load(ch_ptr + (r * NUM_KV_HEADS + h) * C + i)
-        k = tl.load(base + c * stride_kd, mask=m_t, other=0.0).to(tl.float32)  # [BT]: one key component
+        c = tl.load(ch_ptr + (r * NUM_KV_HEADS + h) * C + i).to(tl.int64)
+        o_c = (c // TILE_D) * stride_kdd + (c % TILE_D) * stride_kd
+        k = tl.load(p_t + o_c, mask=m_t, other=0.0).to(tl.float32)  # [BT]: one key component
         qc = tl.load(q_ptr + heads * C + i, mask=m_g, other=0.0)  # [BG]
         s += qc[:, None] * k[None, :]
     s = tl.where(m_t[None, :], s, float("-inf"))
@@ -305,12 +336,17 @@ def _sparq_lse_kernel(
     tl.store(out_ptr + heads * W + w, lse, mask=m_g)
 
 
-def sparq_kernel_meta(num_heads: int, num_kv_heads: int, block_size: int) -> dict[str, int]:
-    """The constexprs of ``_sparq_lse_kernel`` chosen from the shape (also used by the sm_90 compile test)."""
+def sparq_kernel_meta(
+    num_heads: int, num_kv_heads: int, block_size: int, tile_tokens: int, tile_dims: int
+) -> dict[str, int]:
+    """The constexprs of ``_sparq_lse_kernel`` chosen from the shape and the keys' tiling (``TT``, ``TD`` of
+    ``ucm.kernels.paged_keys.key_tiling``; also used by the sm_90 compile test)."""
     return {
         "HQ": num_heads,
         "NUM_KV_HEADS": num_kv_heads,
         "BLOCK_SIZE": block_size,
+        "TILE_T": tile_tokens,
+        "TILE_D": tile_dims,
         "BLOCK_G": triton.next_power_of_2(num_heads // num_kv_heads),
         "BLOCK_T": triton.next_power_of_2(block_size),
     }
@@ -325,7 +361,8 @@ def _lse_triton(
     out: torch.Tensor,
 ) -> None:
     r, hq, c = q.shape
-    _, h, bs, _ = keys.shape
+    _, h, bs, _ = key_geometry(keys)
+    strides, tile_tokens, tile_dims = key_tiling(keys)
     w = block_table.shape[1]
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
@@ -337,10 +374,10 @@ def _lse_triton(
         block_table,
         seq_lens,
         out,
-        *keys.stride(),
+        *strides,
         block_table.stride(0),
         w,
         c,
         num_warps=1 if os.environ.get("TRITON_INTERPRET") == "1" else 4,
-        **sparq_kernel_meta(hq, h, bs),
+        **sparq_kernel_meta(hq, h, bs, tile_tokens, tile_dims),
     )

@@ -110,7 +110,9 @@ def sparq_lse(
     scale: float,
     words: np.ndarray,
     shift: np.uint32,
-    strides: tuple[int, int, int],
+    strides: tuple[int, int, int, int, int, int],
+    tile_tokens: int,
+    tile_dims: int,
     cache_blocks: int,
     tile_blocks: int,
     block_table: np.ndarray,
@@ -125,8 +127,10 @@ def sparq_lse(
     Args:
         query: float32 ``[R, HQ, D]``: each row's decode query.
         num_kv_heads, score_channels, scale: as ``ucm.sparse.gsa.sparq_query``.
-        words, shift, cache_blocks, tile_blocks: the paged keys, as ``block_lse``; strides: the keys' ``(s0, s1,
-            s3)`` (block, head, component) in words.
+        words, shift, cache_blocks, tile_blocks: the paged keys, as ``block_lse``; strides, tile_tokens,
+            tile_dims: the six strides (in words) and the tile sizes of the keys' tiled form
+            (``ucm.kernels.paged_keys.key_tiling``), as ``block_lse``'s ``s0`` .. ``s5``, ``tile_tokens``,
+            ``tile_dims``.
         block_table: int ``[R, W]``; seq_lens: int64 ``[R]``; block_size: tokens per block; min_blocks: GSA's.
 
     Returns:
@@ -146,6 +150,25 @@ def sparq_lse(
     channels = np.empty((table.shape[0], num_kv_heads, nc), np.int64)
     sparq_query(rows_query, num_kv_heads, scale, q_r, channels)
     lse = np.full((table.shape[0], query.shape[1], table.shape[1]), -np.inf, np.float32)
-    s0, s1, s3 = strides
-    status = block_lse(q_r, channels, words, shift, s0, s1, s3, table, lens, block_size, cache_blocks, tile_blocks, lse)
+    s0, s1, s2, s3, s4, s5 = strides
+    status = block_lse(
+        q_r,
+        channels,
+        words,
+        shift,
+        s0,
+        s1,
+        s2,
+        s3,
+        s4,
+        s5,
+        tile_tokens,
+        tile_dims,
+        table,
+        lens,
+        block_size,
+        cache_blocks,
+        tile_blocks,
+        lse,
+    )
     return status, lse, score_row

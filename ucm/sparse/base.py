@@ -26,6 +26,8 @@ from typing import ClassVar
 
 import torch
 
+from ucm.kernels.layouts import KVLayout
+
 _LIVE_TABLES: weakref.WeakSet[BlockSummaries] = weakref.WeakSet()
 
 
@@ -70,7 +72,9 @@ class BlockSummaries(ABC):
         """Recompute the summaries of ``block_ids`` whose ``fill`` differs from ``counts``; return how many.
 
         Args:
-            keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys of this layer (a strided view).
+            keys: paged keys of this layer (``ucm.kernels.paged_keys.paged_keys``: plain ``[num_blocks,
+                num_kv_heads, block_size, head_dim]`` or tiled ``[num_blocks, num_kv_heads, block_size / TT, TT,
+                head_dim / TD, TD]``, strided views of the cache).
             block_ids: int64 ``[n]`` vLLM block ids (duplicates allowed when their counts agree).
             counts: int64 ``[n]`` tokens the request has in each block, in ``[1, block_size]``.
         """
@@ -167,17 +171,18 @@ class SparseMethod(ABC):
 
         Args:
             query: ``[R, num_heads, head_dim]``, one (post-RoPE) query per row.
-            keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys of the layer (strided view); the
+            keys: paged keys of the layer (``ucm.kernels.paged_keys.paged_keys``: plain ``[num_blocks, num_kv_heads,
+                block_size, head_dim]`` or tiled for CPU_ATTN_AMX; read them through that module's helpers); the
                 current token's key already written.
             summaries: this layer's table from :meth:`new_summaries` (refreshed here as needed).
             block_table: int ``[R, W]`` dense block ids; seq_lens: int ``[R]`` dense lengths (tokens).
             scale: the attention's softmax scale (``1/sqrt(head_dim)`` for most models).
         """
 
-    def warm_up(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Compile or load whatever the method's first :meth:`select` on a paged cache of ``dtype`` on ``device``
-        would (called once per process at engine start, so that the first decode step does not wait for it); the
-        default does nothing."""
+    def warm_up(self, dtype: torch.dtype, device: torch.device, layout: KVLayout) -> None:
+        """Compile or load whatever the method's first :meth:`select` on a paged cache of ``dtype`` on ``device`` in
+        ``layout`` would (called once per process and KV dtype and layout at engine start, so that the first decode
+        step does not wait for it); the default does nothing."""
         return None
 
     def observe(

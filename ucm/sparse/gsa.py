@@ -46,10 +46,14 @@ summed per block (:func:`sparq_scores`; the kernels are ``ucm.kernels.sparq_scor
 matched dense at 70% of blocks skipped (at 32-token blocks; at 128-token blocks it matched the exact-mass oracle,
 and key bounds lost most answers); scores reused for 4 or more steps, or taken from the prompt's last queries, lost
 answers (``benchmarks/sparse_policies.py``). Cost: every step and layer reads ``score_channels / head_dim`` of every
-key of the request (on top of the kept blocks' full K and V). On CPU (bf16/fp32 keys with contiguous tokens, as in
-vLLM's CPU_ATTN layout) the whole selection of a step is three numba calls (:func:`sparq_select`:
-``ucm.sparse._numba_select``); elsewhere, or with ``impl="torch"``, torch ops (:func:`sparq_scores`,
-:func:`aggregate_scores`, :func:`keep_mask`, ``compact_block_table``), which are also the fast path's test oracles.
+key of the request (on top of the kept blocks' full K and V). On CPU (bf16/fp32 keys in vLLM's CPU layouts, CPU_ATTN
+and CPU_ATTN_AMX: ``ucm.kernels.sparq_scores.numba_applies``) the whole selection of a step is three numba calls
+(:func:`sparq_select`: ``ucm.sparse._numba_select``); elsewhere, or with ``impl="torch"``, torch ops
+(:func:`sparq_scores`, :func:`aggregate_scores`, :func:`keep_mask`, ``compact_block_table``), which are also the fast
+path's test oracles.
+
+Keys: every function takes the layer's paged keys in either form of ``ucm.kernels.paged_keys`` (plain ``[num_blocks,
+num_kv_heads, block_size, head_dim]``, or tiled for CPU_ATTN_AMX) and reads them through its helpers.
 """
 
 from __future__ import annotations
@@ -61,8 +65,9 @@ import torch
 
 from ucm.config import GSAConfig
 from ucm.kernels.block_scores import block_scores, block_scores_reference
-from ucm.kernels.block_summaries import block_summaries, paged_keys
+from ucm.kernels.block_summaries import block_summaries
 from ucm.kernels.layouts import KVLayout
+from ucm.kernels.paged_keys import block_keys, key_geometry, key_tiling, paged_keys
 from ucm.kernels.sparq_scores import (
     key_words,
     numba_applies,
@@ -120,9 +125,10 @@ class AttentionMass(BlockSummaries):
 
 class KeyChannels(BlockSummaries):
     """``block_scoring: sparq``: nothing is precomputed. Each step reads ``score_channels`` components of the
-    request's paged keys directly (:func:`sparq_scores`); vLLM's CPU layout stores a block's keys transposed, so each
-    component is one contiguous run. The base class's ``fill`` is unused, so invalidation is a no-op; the table
-    keeps the numba path's view of the layer's paged keys (:meth:`key_words`)."""
+    request's paged keys directly (:func:`sparq_scores`); vLLM's CPU layouts store a block's keys by component (one
+    contiguous run per component in CPU_ATTN, one 16-value run per component and 16-token tile in CPU_ATTN_AMX). The
+    base class's ``fill`` is unused, so invalidation is a no-op; the table keeps the numba path's view of the layer's
+    paged keys (:meth:`key_words`)."""
 
     def __init__(self, num_blocks: int, device: torch.device) -> None:
         super().__init__(num_blocks, device)
@@ -155,15 +161,15 @@ def attention_mass(
 
     Args:
         query: ``[W, num_heads, head_dim]`` at token positions ``seq_len - W`` .. ``seq_len - 1``.
-        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view).
+        keys: paged keys, plain or tiled (``ucm.kernels.paged_keys``).
         block_ids: int ``[n]`` the request's blocks in token order, ``n = ceil(seq_len / block_size)``.
         seq_len: the request's length in tokens.
         scale: softmax scale.
     """
     w, hq, d = query.shape
-    n, bs = block_ids.numel(), keys.shape[2]
-    h = keys.shape[1]
-    k = keys[block_ids.long()].float().permute(1, 0, 2, 3).reshape(h, n * bs, d)  # [KVH, L, D]
+    _, h, bs, _ = key_geometry(keys)
+    n = block_ids.numel()
+    k = block_keys(keys, block_ids.long()).float().permute(1, 0, 2, 3).reshape(h, n * bs, d)  # [KVH, L, D]
     q = query.float().reshape(w, h, hq // h, d)
     logits = torch.einsum("wkgd,kld->wkgl", q, k) * scale  # [W, KVH, group, L]
     pos_q = torch.arange(seq_len - w, seq_len, device=query.device)
@@ -220,7 +226,7 @@ def sparq_scores(
 
     Args:
         query: ``[R, num_heads, head_dim]``, row ``r``'s query at position ``seq_lens[r] - 1``.
-        keys: ``[num_blocks, num_kv_heads, block_size, head_dim]`` paged keys (strided view).
+        keys: paged keys, plain or tiled (``ucm.kernels.paged_keys``).
         block_table: int ``[R, W]`` the requests' blocks in token order; seq_lens: int ``[R]`` tokens per row.
         scale: the attention's softmax scale; channels: key components read per KV head (``head_dim``: exact).
         impl: ``"auto"``, ``"triton"``, ``"numba"``, ``"torch"`` or ``"reference"`` (the kernel's test oracle).
@@ -230,7 +236,7 @@ def sparq_scores(
     Raises:
         ValueError: bad shapes, dtypes or devices, or an unknown ``impl`` (from ``sparq_block_lse``).
     """
-    q_r, idx = sparq_query(query, keys.shape[1], channels, scale)
+    q_r, idx = sparq_query(query, key_geometry(keys)[1], channels, scale)
     if impl == "reference":
         lse = sparq_block_lse_reference(q_r, idx, keys, block_table, seq_lens)
     else:
@@ -358,7 +364,7 @@ def sparq_select(
     cfg: GSAConfig,
     words: tuple[np.ndarray, np.uint32] | None = None,
 ) -> Selection:
-    """GSA's whole ``block_scoring: sparq`` selection as numba calls (CPU, bf16/fp32 keys with contiguous tokens:
+    """GSA's whole ``block_scoring: sparq`` selection as numba calls (CPU, bf16/fp32 keys in vLLM's CPU layouts:
     ``ucm.kernels.sparq_scores.numba_applies``): the per-head scores of :func:`sparq_scores` then :func:`keep_blocks`
     for the rows of at least ``min_blocks`` blocks (the others keep every block). Same blocks as the torch path up
     to fp32 rounding.
@@ -373,8 +379,8 @@ def sparq_select(
     """
     from ucm.sparse import _numba_select  # numba is slow to import: only when the CPU path first runs
 
-    nb, h, bs, _ = keys.shape
-    s0, s1, _, s3 = keys.stride()
+    nb, h, bs, _ = key_geometry(keys)
+    strides, tile_tokens, tile_dims = key_tiling(keys)
     key_storage, shift = key_words(keys) if words is None else words
     query_np, table_np, lens_np = query.float().contiguous().numpy(), block_table.contiguous().numpy(), seq_lens.numpy()
     status, lse, score_row = _numba_select.sparq_lse(
@@ -384,7 +390,9 @@ def sparq_select(
         scale,
         key_storage,
         shift,
-        (s0, s1, s3),
+        strides,
+        tile_tokens,
+        tile_dims,
         nb,
         numba_tile_blocks(bs),
         table_np,
@@ -438,7 +446,7 @@ class GSA(SparseMethod):
         ``observation_window`` queries of this prefill step (see :meth:`SparseMethod.observe`); else nothing."""
         if not isinstance(summaries, AttentionMass):
             return
-        block_size = keys.shape[2]
+        block_size = key_geometry(keys)[2]
         n = -(-seq_len // block_size)
         if n < self.cfg.min_blocks:  # stays dense
             return
@@ -468,7 +476,7 @@ class GSA(SparseMethod):
             )
         if isinstance(summaries, KeyChannels) and self._numba_select(block_table) and numba_applies(keys):
             return sparq_select(query, keys, block_table, seq_lens, scale, self.cfg, summaries.key_words(keys))
-        block_size = keys.shape[2]
+        block_size = key_geometry(keys)[2]
         n = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
         sparse = n >= self.cfg.min_blocks
         rows = sparse.nonzero().flatten()
@@ -499,14 +507,22 @@ class GSA(SparseMethod):
         keep[rows] = keep_mask(scores, nb, self.cfg)
         return compact_block_table(block_table, seq_lens, keep, block_size)
 
-    def warm_up(self, dtype: torch.dtype, device: torch.device) -> None:
-        """With ``sparq`` on the numba path: one selection on a tiny synthetic CPU_ATTN cache of ``dtype`` with an
-        int32 block table (vLLM's), which compiles the kernels for exactly the engine's argument types, or loads
-        them from numba's on-disk cache (~10-25 s for a fresh install on this repo's 2-core machine; ~0.5 s after)."""
+    def warm_up(self, dtype: torch.dtype, device: torch.device, layout: KVLayout) -> None:
+        """With ``sparq`` on the numba path: one selection on a tiny synthetic cache of ``dtype`` in ``layout`` (a
+        CPU layout) with an int32 block table (vLLM's), which compiles the kernels for exactly the engine's argument
+        types, or loads them from numba's on-disk cache (~10-25 s for a fresh install on this repo's 2-core machine;
+        ~0.5 s after). The kernels take CPU_ATTN and CPU_ATTN_AMX keys with the same argument types, so either
+        layout's warm-up covers both.
+
+        Raises:
+            ValueError: ``layout`` is CPU_ATTN_AMX and ``dtype`` is not 2 bytes wide (from ``paged_keys``).
+        """
         if self.cfg.block_scoring != "sparq" or self.impl not in ("auto", "numba") or device.type != "cpu":
             return
-        num_blocks, h, d, bs = self.cfg.min_blocks + 1, 1, 16, 16
-        keys = paged_keys(torch.zeros((num_blocks, h, bs, 2 * d), dtype=dtype), KVLayout.CPU_ATTN)
+        if layout not in (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX):
+            return  # no numba path for the other layouts
+        num_blocks, h, d, bs = self.cfg.min_blocks + 1, 1, 32, 32  # 32: the least CPU_ATTN_AMX allows
+        keys = paged_keys(torch.zeros((num_blocks, h, bs, 2 * d), dtype=dtype), layout)
         if not numba_applies(keys):
             return
         table = torch.arange(num_blocks, dtype=torch.int32)[None]
@@ -557,7 +573,7 @@ def select_reference(
 ) -> list[list[int]]:
     """Test oracle: for each row, the kept vLLM block ids in token order, computed one row at a time from the keys
     (no summary table, no kernels): bounds by ``amin``/``amax``, per-head softmax, sum, sort."""
-    block_size, h = keys.shape[2], keys.shape[1]
+    _, h, block_size, _ = key_geometry(keys)
     out: list[list[int]] = []
     for r in range(block_table.shape[0]):
         length = int(seq_lens[r])
@@ -566,14 +582,15 @@ def select_reference(
         if n < cfg.min_blocks:
             out.append(ids)
             continue
+        blocks = block_keys(keys, ids)  # [n, H, bs, D]
         group = query.shape[1] // h
         mass = torch.zeros(n, dtype=torch.float32)
         for j in range(query.shape[1]):
             q = query[r, j].float()
             ub = torch.empty(n, dtype=torch.float32)
-            for w, b in enumerate(ids):
+            for w in range(n):
                 c = block_size if w < n - 1 else length - (n - 1) * block_size
-                k = keys[b, j // group, :c].float()  # [c, D]
+                k = blocks[w, j // group, :c].float()  # [c, D]
                 ub[w] = torch.maximum(q * k.amin(0), q * k.amax(0)).sum()
             mass += torch.softmax(ub * scale, dim=0)
         k_keep = min(max(math.ceil(n * cfg.sparse_ratio - 1e-9), cfg.init_window_sz + cfg.local_window_sz), n)

@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-# CPU_ATTN kernel variants whose in-block layout (K transposed per block and head, then V) UCM has verified
-# against vLLM 0.32's cpu_attn_reshape_and_cache. Others (amx, neon, vsx, vxe, rvv) are refused, not guessed.
-VERIFIED_CPU_ISAS = ("vec", "vec16")
+# vLLM's CPU attention kernel variants (``_get_attn_isa``) whose in-block KV layout UCM has verified against vLLM
+# 0.32's cpu_attn_reshape_and_cache, and the layout each writes. Others (neon, vsx, vxe, rvv) are refused, not guessed.
+CPU_ISA_LAYOUTS = {"vec": KVLayout.CPU_ATTN, "vec16": KVLayout.CPU_ATTN, "amx": KVLayout.CPU_ATTN_AMX}
 
 
 class UnsupportedEngineError(RuntimeError):
@@ -119,17 +119,29 @@ def detect_layout(vllm_config: VllmConfig, spec: KVSpec, cache: torch.Tensor) ->
     """
     from vllm.platforms import current_platform
 
+    if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+        backend = "AMX_MLA or CPU_MLA" if current_platform.is_cpu() else "an MLA backend"
+        raise UnsupportedEngineError(
+            f"model {vllm_config.model_config.model!r} uses multi-head latent attention (vLLM's {backend}); UCM's "
+            "connector handles models with per-head K and V only (its MLA kernels are not wired to the connector)"
+        )
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_dim, vllm_config.cache_config.cache_dtype)
-        if isa not in VERIFIED_CPU_ISAS:
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_dim, cache_dtype)
+        if isa not in CPU_ISA_LAYOUTS:
             raise UnsupportedEngineError(
                 f"vLLM's CPU attention uses kernel variant {isa!r} on this machine; UCM knows the KV layout of "
-                f"{list(VERIFIED_CPU_ISAS)} only and refuses to guess"
+                f"{list(CPU_ISA_LAYOUTS)} only and refuses to guess"
+            )
+        layout = CPU_ISA_LAYOUTS[isa]
+        if layout == KVLayout.CPU_ATTN_AMX and cache_dtype != "auto":
+            raise UnsupportedEngineError(
+                f"vLLM's CPU attention uses kernel variant 'amx' with kv_cache_dtype {cache_dtype!r}; UCM knows the "
+                "amx layout of bf16 KV only (kv_cache_dtype 'auto'); allowed: 'auto'"
             )
         want = (spec.num_kv_heads, spec.block_size, 2 * spec.head_dim)
-        layout = KVLayout.CPU_ATTN
         ok = cache.dim() == 4 and tuple(cache.shape[1:]) == want
     else:
         want = (spec.block_size, spec.num_kv_heads, spec.head_dim)

@@ -18,6 +18,10 @@ With no sparse method on, ``forward`` is vLLM's, untouched (same metadata object
   their queries (:meth:`~ucm.sparse.base.SparseMethod.observe`: GSA with ``block_scoring: attention`` scores the
   request's blocks by the attention of the prompt's last queries).
 
+The keys are read in place from the paged cache in the layout of the layer's CPU kernel variant (``layer.isa``, set
+by vLLM's metadata builder): ``vec`` and ``vec16`` store them as ``KVLayout.CPU_ATTN``, ``amx`` (bf16 on CPUs with
+AMX tiles) as ``KVLayout.CPU_ATTN_AMX`` (:func:`layout_of_isa`); other variants are refused with an error.
+
 Dropping middle blocks changes no positions: RoPE is already applied to the cached keys, and the kernel only uses
 the compacted length for the causal bound of the single query, which stays the last token.
 
@@ -42,11 +46,13 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
+    _get_attn_isa,
 )
 
 from ucm.config import UcmConfigError, UcmSparseConfig, config_from_extra_config
-from ucm.kernels.block_summaries import paged_keys
+from ucm.integration.vllm.engine_info import CPU_ISA_LAYOUTS
 from ucm.kernels.layouts import KVLayout
+from ucm.kernels.paged_keys import paged_keys
 from ucm.logger import init_logger
 from ucm.sparse import BlockSummaries, SparseMethod, make_method
 
@@ -54,8 +60,6 @@ logger = init_logger(__name__)
 
 BACKEND_PATH = "ucm.integration.vllm.sparse_backend.UcmCPUAttentionBackend"
 _UCM_CONNECTOR = "UCMConnector"
-# CPU kernel variants whose in-block K layout (transposed [head_dim, block_size] per head) UCM has verified.
-_VERIFIED_ISAS = ("vec", "vec16")
 _announced = False  # one info line per process at the first sparse decode step
 
 
@@ -98,17 +102,47 @@ def _step_rows(md: CPUAttentionMetadata) -> _StepRows:
     return rows
 
 
-_warmed: set[tuple[str, torch.dtype]] = set()
+def layout_of_isa(isa: str | None) -> KVLayout:
+    """The paged-KV layout vLLM's CPU attention kernel variant ``isa`` (``layer.isa``) writes: ``vec``/``vec16``:
+    ``KVLayout.CPU_ATTN``, ``amx``: ``KVLayout.CPU_ATTN_AMX``.
+
+    Raises:
+        UcmConfigError: ``isa`` is a kernel variant whose in-block K layout UCM has not verified.
+    """
+    layout = CPU_ISA_LAYOUTS.get(isa) if isa is not None else None
+    if layout is None:
+        raise UcmConfigError(
+            f"ucm_sparse_config: vLLM's CPU attention uses kernel variant {isa!r} here; UCM reads keys from the "
+            f"paged cache only for {list(CPU_ISA_LAYOUTS)}"
+        )
+    return layout
 
 
-def _warm_up(method: SparseMethod, dtype: torch.dtype) -> None:
-    """The method's warm-up (its CPU kernels compiled or loaded), once per process and KV dtype, timed in the log."""
-    if (method.name, dtype) in _warmed:
+_warmed: set[tuple[str, torch.dtype, KVLayout]] = set()
+
+
+def _warm_up(method: SparseMethod, dtype: torch.dtype, layout: KVLayout) -> None:
+    """The method's warm-up (its CPU kernels compiled or loaded), once per process, KV dtype and layout, timed in the
+    log."""
+    if (method.name, dtype, layout) in _warmed:
         return
-    _warmed.add((method.name, dtype))
+    _warmed.add((method.name, dtype, layout))
     start = time.perf_counter()
-    method.warm_up(dtype, torch.device("cpu"))
+    method.warm_up(dtype, torch.device("cpu"), layout)
     logger.info("sparse attention %s: kernels ready in %.1f s", method.name, time.perf_counter() - start)
+
+
+def _expected_layout(vllm_config: Any, dtype: torch.dtype, head_size: int) -> KVLayout | None:
+    """The layout this layer's KV will have, from the kernel variant vLLM's CPU metadata builder will pick (its own
+    ``_get_attn_isa`` on the model dtype, block size and head size); ``None`` where that is not known yet or is a
+    variant UCM refuses (the first forward then reports it)."""
+    block_size = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
+    if not isinstance(block_size, int):
+        return None
+    try:
+        return layout_of_isa(_get_attn_isa(dtype, block_size, head_size))
+    except (UcmConfigError, NotImplementedError):
+        return None
 
 
 _parsed: dict[str, UcmSparseConfig | None] = {}  # kv_connector_extra_config (JSON) -> its ucm_sparse_config
@@ -157,9 +191,12 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
                 f"{self.kv_cache_dtype!r}; allowed: 'auto'"
             )
         self._method = method
-        model_config = get_current_vllm_config().model_config
+        vllm_config = get_current_vllm_config()
+        model_config = vllm_config.model_config
         if model_config is not None and isinstance(model_config.dtype, torch.dtype):  # resolved from "auto" by now
-            _warm_up(method, model_config.dtype)
+            layout = _expected_layout(vllm_config, model_config.dtype, self.head_size)
+            if layout is not None:
+                _warm_up(method, model_config.dtype, layout)
 
     def forward(
         self,
@@ -220,23 +257,21 @@ def sparse_cpu_metadata(
     Args:
         md: vLLM's ``CPUAttentionMetadata`` for the step (shared by all layers).
         query: ``[num_tokens, num_heads, head_dim]`` this layer's (post-RoPE) queries.
-        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` this layer's paged KV (CPU layout),
-            with this step's keys already written.
+        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` this layer's paged KV (CPU layout of
+            ``isa``, :func:`layout_of_isa`), with this step's keys already written.
         isa: the CPU kernel variant (``layer.isa``); num_heads: query heads; scale: softmax scale.
 
     Raises:
         UcmConfigError: ``isa`` is a kernel variant whose in-block K layout UCM has not verified.
+        ValueError: ``kv_cache`` does not fit the layout of ``isa``.
     """
-    if isa not in _VERIFIED_ISAS:
-        raise UcmConfigError(
-            f"ucm_sparse_config: vLLM's CPU attention uses kernel variant {isa!r} here; UCM reads keys from the "
-            f"paged cache only for {list(_VERIFIED_ISAS)}"
-        )
+    layout = layout_of_isa(isa)
+    assert isa is not None  # for mypy: layout_of_isa refuses None
     _, num_kv_heads, block_size, two_d = kv_cache.shape
     summaries.invalidate_slots(md.slot_mapping[: md.num_actual_tokens], block_size)
     num_reqs = md.seq_lens.shape[0]
     step = _step_rows(md)
-    keys = paged_keys(kv_cache, KVLayout.CPU_ATTN)
+    keys = paged_keys(kv_cache, layout)
     for r, start, end in step.prefill:  # prefill rows: the method may learn from them
         method.observe(query[start:end], keys, summaries, md.block_table[r], int(md.seq_lens[r]), scale)
     if step.decode.numel() == 0:
