@@ -225,7 +225,7 @@ def test_errors_name_the_bad_value() -> None:
 def test_kernel_compiles_for_sm90(word: str, tiling: str) -> None:
     # A Llama-3-8B-like head layout at FlashAttention's 16-token blocks (plain keys), or at 32-token blocks of
     # CPU_ATTN_AMX's tiles of 16 tokens and component pairs.
-    const = sparq_kernel_meta(32, 8, 16, 16, 128) if tiling == "plain" else sparq_kernel_meta(32, 8, 32, 16, 2)
+    const = sparq_kernel_meta(32, 8, 16, 16, 128, 16) if tiling == "plain" else sparq_kernel_meta(32, 8, 32, 16, 2, 16)
     strides = ["stride_kb", "stride_kh", "stride_ktt", "stride_kt", "stride_kdd", "stride_kd", "stride_table"]
     sig = {
         "q_ptr": "*fp32",
@@ -236,7 +236,6 @@ def test_kernel_compiles_for_sm90(word: str, tiling: str) -> None:
         "out_ptr": "*fp32",
         **dict.fromkeys(strides, "i64"),
         "W": "i32",
-        "C": "i32",
         **dict.fromkeys(const, "constexpr"),
     }
     compile_for_sm90(_sparq_lse_kernel, sig, const)

@@ -301,7 +301,7 @@ def _sparq_lse_kernel(
     stride_kd,
     stride_table,
     W,
-    C,
+    C: tl.constexpr,  # components per KV head: a constexpr, so the loop over them has a static bound
     HQ: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -337,11 +337,14 @@ def _sparq_lse_kernel(
 
 
 def sparq_kernel_meta(
-    num_heads: int, num_kv_heads: int, block_size: int, tile_tokens: int, tile_dims: int
+    num_heads: int, num_kv_heads: int, block_size: int, tile_tokens: int, tile_dims: int, num_channels: int
 ) -> dict[str, int]:
-    """The constexprs of ``_sparq_lse_kernel`` chosen from the shape and the keys' tiling (``TT``, ``TD`` of
-    ``ucm.kernels.paged_keys.key_tiling``; also used by the sm_90 compile test)."""
+    """The constexprs of ``_sparq_lse_kernel`` chosen from the shape, the keys' tiling (``TT``, ``TD`` of
+    ``ucm.kernels.paged_keys.key_tiling``) and the components read per KV head (also used by the sm_90 compile
+    test). The component count is a constexpr (one compilation per ``score_channels``): with a runtime bound, the
+    Triton interpreter converts a 1-element array to an int, which numpy 2.5 refuses."""
     return {
+        "C": num_channels,
         "HQ": num_heads,
         "NUM_KV_HEADS": num_kv_heads,
         "BLOCK_SIZE": block_size,
@@ -377,7 +380,6 @@ def _lse_triton(
         *strides,
         block_table.stride(0),
         w,
-        c,
         num_warps=1 if os.environ.get("TRITON_INTERPRET") == "1" else 4,
-        **sparq_kernel_meta(hq, h, bs, tile_tokens, tile_dims),
+        **sparq_kernel_meta(hq, h, bs, tile_tokens, tile_dims, c),
     )
