@@ -51,8 +51,8 @@ Phase order: in every repeat all write phases (``raw write_files``, ``raw write_
 two lists is rotated left by the repeat index, so that over as many repeats as there are phases every phase runs
 once in every position; ``phase_orders`` in the JSON gives the order of every repeat. Why: on the dev VM
 (Firecracker) 16 MiB writes into the page cache ran either at ~3.5-7 or at ~0.3-1.2 GB/s for the same code, the
-first write phase of a repeat mostly fast and the last mostly slow (see the README, "Store bandwidth"); with a fixed
-order, a phase's position decided its figure. The rotation gives every phase every position (``--repeats`` a
+first write phase of a repeat mostly fast and the last mostly slow (benchmarks/RESULTS.md, "Store bandwidth"); with a
+fixed order, a phase's position decided its figure. The rotation gives every phase every position (``--repeats`` a
 multiple of the number of write phases, ``2 + stores``, completes it), and a paired ratio compares a store with the
 raw I/O of the same repeat.
 

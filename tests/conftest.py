@@ -50,7 +50,7 @@ def tokenizer(tiny_model: Path):
 
 
 # float32 engine: a correct load reproduces log-probs to ~1e-6 (only the attention's summation order differs);
-# a wrong block moves them by ~1e-2 even on the tiny model (VLLM_NOTES.md).
+# a wrong block moves them by ~1e-2 even on the tiny model (seen in this repo's engine tests).
 LOGPROB_TOL = 1e-3
 
 

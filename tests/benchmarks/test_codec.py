@@ -1,5 +1,5 @@
 """Smoke test of ``benchmarks/codec.py``: a tiny run on synthetic bf16 KV saved like a capture, its last line a JSON
-summary with every figure (the real-KV figures come from running it on the real model; see README)."""
+summary with every figure (the real-KV figures come from running it on the real model; see benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def _multi(store: Path, example_dir: Path) -> dict:
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
         # MultiConnector gives each child its own copy of the transfer config: the policy UCM sets on its copy does
-        # not reach the scheduler, so it is set here (see README, "With vLLM's MultiConnector").
+        # not reach the scheduler, so it is set here (see docs/configuration.md, "With vLLM's MultiConnector").
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "connectors": [

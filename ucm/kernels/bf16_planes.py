@@ -1,10 +1,10 @@
 """bf16_planes: split bf16 values into an exponent plane and a sign+mantissa plane, and merge them back.
 
 A bf16 value is 16 bits: sign (bit 15), exponent (bits 14-7), mantissa (bits 6-0). On real KV the sign and
-mantissa are close to uniform (7.97 bits of entropy per value, measured on SmolLM2-135M; see
-``/work/shared/VLLM_NOTES.md``) while the exponent carries 2.6-2.9 bits: the lossless KVfold codec entropy-codes the
-exponent plane and stores the other raw. Splitting on the field boundary (rather than the high/low byte) puts the
-whole exponent in one plane and the sign, which is incompressible, in the raw plane::
+mantissa are close to uniform while the exponent carries a third of its 8 bits (the real KV statistics under
+"KVfold codec" in benchmarks/RESULTS.md): the lossless KVfold codec entropy-codes the exponent plane and stores
+the other raw. Splitting on the field boundary (rather than the high/low byte) puts the whole exponent in one plane
+and the sign, which is incompressible, in the raw plane::
 
     exp[i] = (v[i] >> 7) & 0xFF                       # the 8 exponent bits
     sm[i]  = ((v[i] >> 8) & 0x80) | (v[i] & 0x7F)      # sign in bit 7, mantissa in bits 6-0

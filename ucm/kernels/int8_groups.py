@@ -2,9 +2,9 @@
 
 The KVfold fixed-rate mode (``compress_ratio: 16``). With the group = ``head_dim`` consecutive values of a canonical
 shard ``[block_size, num_kv_heads, head_dim]``, there is one scale per (token, head): the best error per bit among
-the 8-bit formats measured on real SmolLM2 KV (0.5-1.1% RMS error against 5.2% for a fixed exponent window and
-2.7% for fp8 e4m3 with a per-tensor scale; see ``/work/shared/VLLM_NOTES.md``). Cost: 8 + 16 / group bits per
-value (8.25 at head_dim 64).
+the 8-bit formats measured on real SmolLM2 KV (see the real KV statistics under "KVfold codec" in
+benchmarks/RESULTS.md: a fixed exponent window and fp8 e4m3 with a per-tensor scale lose more). Cost: 8 + 16 / group
+bits per value (8.25 at head_dim 64).
 
 Per group ``g`` of values ``x`` (symmetric absmax scaling)::
 
