@@ -1,15 +1,13 @@
-"""Shared fixtures: models (built once into ./models, as `make demo` does) and real-text prompts."""
+"""Shared fixtures: models (built once into ./models, as `make demo` does) and real-text prompts. Plain helpers are
+in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-MODELS_DIR = Path(os.environ.get("UCM_MODELS_DIR", REPO / "models"))
-needs_aio = pytest.mark.needs_aio  # see pytest_collection_modifyitems
+from tests.helpers import MODELS_DIR
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,27 +45,3 @@ def tokenizer(tiny_model: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model))
-
-
-# float32 engine: a correct load reproduces log-probs to ~1e-6 (only the attention's summation order differs);
-# a wrong block moves them by ~1e-2 even on the tiny model (seen in this repo's engine tests).
-LOGPROB_TOL = 1e-3
-
-
-def assert_same_output(got, want) -> None:
-    """Two ``RequestResult``s agree: greedy tokens identical and log-probs within ``LOGPROB_TOL``."""
-    assert got.token_ids == want.token_ids
-    diff = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
-    assert diff < LOGPROB_TOL, f"log-probs differ by {diff}"
-
-
-def ucm_extra_config(store_dir: Path | str, pipeline: str = "Cache|Posix") -> dict:
-    """Inline UCM config (kv_connector_extra_config) for a store at ``store_dir``."""
-    return {
-        "ucm_connectors": [
-            {
-                "ucm_connector_name": "UcmPipelineStore",
-                "ucm_connector_config": {"store_pipeline": pipeline, "storage_backends": str(store_dir)},
-            }
-        ]
-    }

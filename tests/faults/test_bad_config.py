@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults.conftest import NO_DAC_OVERRIDE, can_drop_dac_override
+from tests.faults.helpers import NO_DAC_OVERRIDE, can_drop_dac_override
 from ucm.testing.engine import run_engine, ucm_transfer_config
 
 pytestmark = pytest.mark.engine

@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from tests.faults.conftest import assert_same_output, block_files, block_path, run_ucm
+from tests.faults.helpers import block_files, block_path, run_ucm
+from tests.helpers import assert_same_output
 from tests.store.blocks import make_blocks, make_keys, poisoned
 from ucm.store.posix import HEADER_NBYTES, PosixStore
 

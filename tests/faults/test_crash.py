@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
-from tests.faults.conftest import assert_same_output, block_files, engine_spec, run_ucm, temp_files
+from tests.faults.helpers import block_files, engine_spec, run_ucm, temp_files
+from tests.helpers import REPO, assert_same_output
 from tests.store.blocks import make_blocks, make_keys, poisoned
 from ucm.store.cli import verify_file
 from ucm.store.posix import PosixStore

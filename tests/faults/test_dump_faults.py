@@ -14,9 +14,8 @@ import subprocess
 
 import pytest
 
-from tests.faults.conftest import (
+from tests.faults.helpers import (
     NO_DAC_OVERRIDE,
-    assert_same_output,
     block_files,
     block_path,
     can_drop_dac_override,
@@ -25,6 +24,7 @@ from tests.faults.conftest import (
     wait_for_blocks_cmd,
     warnings_of,
 )
+from tests.helpers import assert_same_output
 from ucm.store.cli import verify_file
 from ucm.testing.engine import failed_loads
 

@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from tests.conftest import MODELS_DIR
-from tests.faults.conftest import block_files, run_ucm
+from tests.faults.helpers import block_files, run_ucm
+from tests.helpers import MODELS_DIR
 from tests.store.blocks import make_blocks
 from ucm.store.cli import main, store_stats
 from ucm.store.posix import PosixStore

@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import (
+from tests.faults.helpers import (
     NO_DAC_OVERRIDE,
     NUM_PROMPTS,
-    assert_same_output,
     block_path,
     can_drop_dac_override,
     copy_store,
     run_ucm,
     warnings_of,
 )
+from tests.helpers import assert_same_output
 from ucm.store.cli import verify_file
 from ucm.store.posix import HEADER_NBYTES
 from ucm.testing.engine import failed_loads

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ucm_extra_config
-from tests.faults.conftest import block_path, request_block_keys
+from tests.faults.helpers import block_path, request_block_keys
+from tests.helpers import ucm_extra_config
 from ucm.store.posix import CODEC_KVFOLD, HEADER, HEADER_NBYTES
 from ucm.testing.engine import RequestResult, failed_loads, run_engine, ucm_transfer_config
 

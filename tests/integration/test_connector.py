@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_same_output, ucm_extra_config
+from tests.helpers import assert_same_output, ucm_extra_config
 from ucm.testing.engine import RequestResult, failed_loads, run_engine, ucm_transfer_config
 from ucm.testing.texts import prompt_of_tokens
 

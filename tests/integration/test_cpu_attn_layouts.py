@@ -22,7 +22,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from tests.conftest import ucm_extra_config
+from tests.helpers import ucm_extra_config
 from tests.kernels.kv_data import bits_equal, poisoned, random_kv
 from ucm.integration.vllm.engine_info import CPU_ISA_LAYOUTS, KVSpec, UnsupportedEngineError, detect_layout
 from ucm.kernels import KVLayout, gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_same_output, ucm_extra_config
+from tests.helpers import assert_same_output, ucm_extra_config
 from ucm.store.posix import HEADER_NBYTES, block_file_path
 from ucm.testing.engine import failed_loads, run_engine, ucm_transfer_config
 from ucm.testing.texts import prompt_of_tokens

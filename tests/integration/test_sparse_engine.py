@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ucm_extra_config
+from tests.helpers import ucm_extra_config
 from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config
 from ucm.testing.plugin import plugin_env
 from ucm.testing.texts import prompt_of_tokens

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import LOGPROB_TOL, ucm_extra_config
+from tests.helpers import LOGPROB_TOL, ucm_extra_config
 from ucm.testing.engine import ucm_transfer_config
 from ucm.testing.server import ProxyProcess, VllmServer, http_json, stream_completion
 from ucm.testing.texts import real_text

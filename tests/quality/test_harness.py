@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import LOGPROB_TOL
+from tests.helpers import LOGPROB_TOL
 from ucm.quality import RECALL_MODEL_DIR
 from ucm.quality.recall import RecallSpec
 

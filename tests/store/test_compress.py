@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import needs_aio
+from tests.helpers import needs_aio
 from tests.store.blocks import make_keys, poisoned
-from tests.store.conftest import STORE_MODE_PARAMS
+from tests.store.helpers import STORE_MODE_PARAMS
 from ucm.store.compress import CompressStore
 from ucm.store.kvfold import CONTAINER, KVGeometry
 from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER, HEADER_NBYTES, EncodedBlock, PosixStore

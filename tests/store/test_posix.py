@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import needs_aio
+from tests.helpers import needs_aio
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from tests.store.conftest import usable_store_modes
+from tests.store.helpers import usable_store_modes
 from ucm.store import posix_uring
 from ucm.store.base import Task, TaskResult
 from ucm.store.posix import (

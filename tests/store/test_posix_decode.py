@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from tests.store.conftest import STORE_MODE_PARAMS
+from tests.store.helpers import STORE_MODE_PARAMS
 from tests.store.test_compress import GEOMETRY, NAMESPACE_INFO, TAG, kv_blocks, stored_codec
 from ucm.store import posix as posix_module
 from ucm.store.base import ShardProgress
