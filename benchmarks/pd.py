@@ -26,10 +26,7 @@ prefills no longer stall decodes, which this one-at-a-time run does not show.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -39,14 +36,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml
-from e2e_ttft import machine, versions
 
-from ucm.testing.engine import ucm_transfer_config
+from benchmarks.common import emit_summary, machine_info, utc_now, versions
+from ucm.testing.engine import HIT_RE, ucm_transfer_config
 from ucm.testing.models import ensure_smollm2
 from ucm.testing.server import ProxyProcess, VllmServer, stream_completion
 
 BLOCK_SIZE = 128
-_HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # warm-up
                 results[path]["ttft_ms"].append(ttft * 1e3)
                 results[path]["tpot_ms"].append((total - ttft) * 1e3 / (args.output_len - 1))
-        hits = [int(m[3]) for m in _HIT_RE.findall(decode.read_log())]
+        hits = [int(m[3]) for m in HIT_RE.findall(decode.read_log())]
     finally:
         if proxy is not None:
             proxy.stop()
@@ -118,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary: dict[str, Any] = {
         "benchmark": "pd",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "model": model.name,
         "options": vars(args),
         "single": {k: _stats(v) for k, v in results["single"].items()},
@@ -128,17 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         "full_blocks_per_prompt": args.input_len // BLOCK_SIZE,
         "logs": str(tmp),
         "versions": versions(),
-        "machine": machine(),
+        "machine": machine_info(),
     }
     for k in ("ttft_ms", "tpot_ms"):
         summary[f"{k.removesuffix('_ms')}_pd_over_single"] = round(
             statistics.median(results["pd"][k]) / statistics.median(results["single"][k]), 3
         )
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
-    return 0
+    return emit_summary(summary, args.out)
 
 
 if __name__ == "__main__":

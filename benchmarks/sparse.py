@@ -29,11 +29,11 @@ Parts (the last line printed is a JSON object with every number):
    1), the request's blocks at ``--block-table`` ids (``shuffled``: scattered over the cache, the default;
    ``ascending``: in order, as a fresh engine allocates them). Shows how the attention itself scales with the
    fraction read, and what each scoring costs. ``--impls`` selects GSA's kernel implementations (``auto``: what
-   the engine runs; ``numba``/``torch``: the two CPU paths of the ``sparq`` scoring); with more than one, each
-   variant is named ``<scoring>_<fraction>@<impl>``. ``--isas`` picks vLLM's CPU attention kernel variants, each
-   with its own cache layout holding the same keys (``auto``: the one vLLM picks for bf16 here, ``amx`` on CPUs with
-   AMX tiles, where GSA reads the keys in ``KVLayout.CPU_ATTN_AMX``; ``vec``: ``KVLayout.CPU_ATTN``); with more than
-   one, names end in ``/<isa>``.
+   the engine runs; ``cpu``/``torch``: the two CPU paths of the ``sparq`` scoring, ``cpu`` its numba kernels); with
+   more than one, each variant is named ``<scoring>_<fraction>@<impl>``. ``--isas`` picks vLLM's CPU attention
+   kernel variants, each with its own cache layout holding the same keys (``auto``: the one vLLM picks for bf16 here,
+   ``amx`` on CPUs with AMX tiles, where GSA reads the keys in ``KVLayout.CPU_ATTN_AMX``; ``vec``:
+   ``KVLayout.CPU_ATTN``); with more than one, names end in ``/<isa>``.
 
 Timings come from a shared 2-core machine: compare ratios within one run, not absolute numbers across runs.
 """
@@ -328,8 +328,8 @@ def main() -> None:
         "--impls",
         nargs="+",
         default=["auto"],
-        choices=["auto", "numba", "torch"],
-        help="GSA kernel implementations compared in the kernel part (numba: sparq scoring only)",
+        choices=["auto", "cpu", "torch"],
+        help="GSA kernel implementations compared in the kernel part (cpu: the numba paths; sparq scoring only)",
     )
     parser.add_argument(
         "--isas",

@@ -21,7 +21,7 @@ Policies (every one keeps blocks with GSA's rule, :func:`ucm.sparse.gsa.keep_mas
 
 - ``dense``: all blocks (the reference every other policy is compared with);
 - ``gsa``: the shipped score: Quest key bounds per block (Tang et al. 2024), per-head softmax, summed over the
-  layer's heads (:func:`ucm.sparse.gsa.aggregate_scores` over :func:`ucm.kernels.block_scores_reference`);
+  layer's heads (:func:`ucm.sparse.gsa.aggregate_scores` over :func:`ucm.kernels.key_bounds.block_scores_reference`);
 - ``oracle``: the exact attention mass each block gets from the current query, summed over heads. It needs every
   key at every step (a dense attention's work), so it is not a method: it bounds what a scoring of this shape can
   reach;
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import re
 import sys
@@ -61,8 +60,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from benchmarks.common import emit_summary  # noqa: E402
 from ucm.config import GSAConfig  # noqa: E402
-from ucm.kernels.block_scores import block_scores_reference  # noqa: E402
+from ucm.kernels.key_bounds import block_scores_reference  # noqa: E402
 from ucm.sparse.gsa import aggregate_scores, keep_mask, sparq_mass  # noqa: E402
 
 BLOCK_SIZE = 128  # vLLM's default CPU attention block size: the granularity the engine selects at
@@ -293,11 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args)
-    text = json.dumps(report)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return emit_summary(report, args.out)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ Run::
     .venv/bin/python benchmarks/storage_hits.py [--rounds 20] [--prompt-tokens 2000] [--out results.json]
 
 Why this benchmark. A storage hit after a restart (``benchmarks/e2e_ttft.py``) costs one engine start per sample,
-so it gets 3-5 samples per variant, and on a shared 2-vCPU machine single restarts differ by 100-400 ms: too few
-to tell layerwise from blockwise or compressed from uncompressed. Here every variant is a long-running server (a
-real ``vllm serve`` process group, vLLM's own process layout), all started at once and left idle but for their
-own requests, and the storage hits are taken in rounds: in each round every variant serves the same prompt once,
-in a shuffled order, each request after the page cache was dropped and the CPUs went idle. A round gives one
-paired sample per variant, taken seconds apart; the statistics are over the rounds.
+so it gets 3-5 samples per variant, and single restarts differ by more than the gaps between the variants (see
+"End-to-end TTFT" in benchmarks/RESULTS.md): too few to tell layerwise from blockwise or compressed from
+uncompressed. Here every variant is a long-running server (a real ``vllm serve`` process group, vLLM's own process
+layout), all started at once and left idle but for their own requests, and the storage hits are taken in rounds:
+in each round every variant serves the same prompt once, in a shuffled order, each request after the page cache was
+dropped and the CPUs went idle. A round gives one paired sample per variant, taken seconds apart; the statistics
+are over the rounds.
 
 What makes each measured request a storage hit:
 - vLLM's prefix caching is off (``--no-enable-prefix-caching``), so only the connector can serve the prefix;
@@ -19,7 +20,7 @@ What makes each measured request a storage hit:
   prompt was last served, the K - 1 others were, so the least-recently-used DRAM tier has evicted its blocks;
 - the page cache is emptied before each request: ``sync; echo 3 > /proc/sys/vm/drop_caches`` where permitted
   (root), else (or with ``--page-cache fadvise_dontneed``) ``posix_fadvise(DONTNEED)`` on the stores' files after
-  ``sync``; ``options.page_cache`` in the JSON says which.
+  a ``syncfs`` of their file system (``benchmarks/common.py``); ``options.page_cache`` in the JSON says which.
 It is checked, not assumed: UCM's per-request log line must report every full block as an external hit, and the
 bytes the server's processes read from the block device during the request (``read_bytes`` of
 ``/proc/<pid>/io``) are reported per variant (``disk_read_mb``); a DRAM hit or a page-cache hit would read ~0.
@@ -46,7 +47,6 @@ Also per variant the median disk read per request (MB) and the idle CPU fraction
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -64,8 +64,16 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.e2e_ttft import QUESTIONS, drop_page_cache, machine, versions  # noqa: E402
-from ucm.testing.engine import _HIT_RE, ucm_transfer_config  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    PAGE_CACHE_METHODS,
+    emit_summary,
+    evict_page_cache,
+    machine_info,
+    utc_now,
+    versions,
+)
+from benchmarks.e2e_ttft import QUESTIONS  # noqa: E402
+from ucm.testing.engine import HIT_RE, ucm_transfer_config  # noqa: E402
 from ucm.testing.models import ensure_smollm2  # noqa: E402
 from ucm.testing.server import VllmServer, stream_completion  # noqa: E402
 from ucm.testing.texts import real_text  # noqa: E402
@@ -158,29 +166,19 @@ def read_bytes(pids: list[int]) -> int:
     return total
 
 
-def evict_page_cache(mode: str, store_root: Path) -> None:
-    """Empty the page cache before a request: ``drop_caches`` (the whole machine's; root) or ``fadvise_dontneed``
-    (``posix_fadvise(DONTNEED)`` on every file under ``store_root``, after ``sync``; any user).
+def empty_page_cache(mode: str, store_root: Path) -> None:
+    """Empty the page cache before a request (:func:`benchmarks.common.evict_page_cache`): ``drop_caches`` (the
+    whole machine's; root) or ``fadvise_dontneed`` (every file under ``store_root``; any user).
 
     Raises:
         SystemExit: ``drop_caches`` is not permitted here (the hits would be served from memory).
     """
-    if mode == "drop_caches":
-        if not drop_page_cache():
-            raise SystemExit("the page cache cannot be dropped here (root needed); use --page-cache fadvise_dontneed")
-        return
-    os.sync()
-    for path in store_root.rglob("*"):
-        if not path.is_file():
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # removed or renamed meanwhile
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    try:
+        evict_page_cache(mode, store_root)
+    except OSError as exc:
+        raise SystemExit(
+            f"the page cache cannot be dropped here (root needed); use --page-cache fadvise_dontneed ({exc})"
+        ) from exc
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -213,7 +211,7 @@ def bootstrap_median_ci(values: list[float], resamples: int = 10_000, seed: int 
 def measure(v: Variant, model: str, prompt: str, problems: list[str], label: str, args: argparse.Namespace) -> None:
     """One storage-hit request on ``v``: empty the page cache, wait for idle CPUs, time the request, check the hit."""
     time.sleep(args.gap_s)  # the last server's engine processes stop polling
-    evict_page_cache(args.page_cache, args.store_root)
+    empty_page_cache(args.page_cache, args.store_root)
     v.idle.append(wait_idle(args.min_idle, timeout_s=5.0))
     pids = v.server.pids()
     before = read_bytes(pids)
@@ -223,7 +221,7 @@ def measure(v: Variant, model: str, prompt: str, problems: list[str], label: str
     v.ttft_ms.append(ttft_s * 1e3)
     v.first_tokens.append(text)
     if v.uses_ucm:
-        hits = _HIT_RE.findall(v.server.read_log())
+        hits = HIT_RE.findall(v.server.read_log())
         new, v.hit_lines_seen = hits[v.hit_lines_seen :], len(hits)
         if len(new) != 1:
             problems.append(f"{v.name} {label}: {len(new)} UCM lookup lines for one request")
@@ -269,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="another model directory; None: SmolLM2 in --models-dir")
     p.add_argument(
         "--page-cache",
-        choices=("auto", "drop_caches", "fadvise_dontneed"),
+        choices=("auto", *PAGE_CACHE_METHODS),
         default="auto",
         help="how the page cache is emptied before each request: the whole machine's (root), or the stores' files; "
         "auto: drop_caches where permitted",
@@ -338,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             for prompt in prompts:
                 stream_completion(f"{v.server.url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
-            v.hit_lines_seen = len(_HIT_RE.findall(v.server.read_log()))
+            v.hit_lines_seen = len(HIT_RE.findall(v.server.read_log()))
         rng = random.Random(args.seed)
         for r in range(args.rounds):
             prompt = prompts[r % len(prompts)] + suffixes[r]
@@ -355,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     agree = sum(len({v.first_tokens[r] for v in variants}) == 1 for r in range(args.rounds))
     summary: dict[str, Any] = {
         "benchmark": "storage_hits",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "model": model_dir.name,
         "options": {k: v for k, v in vars(args).items() if k not in ("prompt_blocks", "store_root")},
         "prompt_full_blocks": args.prompt_blocks,
@@ -366,17 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         "problems": problems,
         "logs": str(tmp) if args.keep_logs else None,
         "versions": versions(),
-        "machine": machine(),
+        "machine": machine_info(),
     }
     if not args.keep_logs:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
-    return 1 if problems else 0
+    return emit_summary(summary, args.out, failed=bool(problems))
 
 
 if __name__ == "__main__":

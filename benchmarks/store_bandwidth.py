@@ -49,9 +49,9 @@ Phase order: in every repeat all write phases (``raw write_files``, ``raw write_
 ``dump``) run before all read phases (``raw read_files``, ``raw read_bigfile``, then each store's ``load`` and
 ``load_layerwise_cold``; a read phase is its cold read followed by its warm read of the same files), and each of the
 two lists is rotated left by the repeat index, so that over as many repeats as there are phases every phase runs
-once in every position; ``phase_orders`` in the JSON gives the order of every repeat. Why: on the dev VM
-(Firecracker) 16 MiB writes into the page cache ran either at ~3.5-7 or at ~0.3-1.2 GB/s for the same code, the
-first write phase of a repeat mostly fast and the last mostly slow (benchmarks/RESULTS.md, "Store bandwidth"); with a
+once in every position; ``phase_orders`` in the JSON gives the order of every repeat. Why: on the development VMs
+16 MiB writes into the page cache ran at one of two speeds, several times apart, for the same code, the first write
+phase of a repeat mostly fast and the last mostly slow (figures in benchmarks/RESULTS.md, "Store bandwidth"); with a
 fixed order, a phase's position decided its figure. The rotation gives every phase every position (``--repeats`` a
 multiple of the number of write phases, ``2 + stores``, completes it), and a paired ratio compares a store with the
 raw I/O of the same repeat.
@@ -65,12 +65,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import ctypes.util
-import datetime
-import json
 import mmap
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -86,6 +82,16 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.common import (  # noqa: E402
+    PAGE_CACHE_METHODS,
+    emit_summary,
+    evict_page_cache,
+    libc,
+    load_avg,
+    machine_info,
+    sync_fs,
+    utc_now,
+)
 from ucm.config import UcmConfigError, config_from_extra_config  # noqa: E402
 from ucm.store.base import UcmKVStoreBase  # noqa: E402
 from ucm.store.pipeline import build_store  # noqa: E402
@@ -103,39 +109,6 @@ T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------ file system helpers
-_libc: ctypes.CDLL | None = None
-
-
-def libc() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        _libc.mmap.restype = ctypes.c_void_p
-        _libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    return _libc
-
-
-def sync_fs(path: Path) -> None:
-    """``syncfs`` of the file system holding ``path`` (``os.sync`` where ``syncfs`` is not available)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if libc().syncfs(fd) != 0:
-            os.sync()
-    except AttributeError:
-        os.sync()
-    finally:
-        os.close(fd)
-
-
 def resident_fraction(path: Path) -> float | None:
     """Fraction of ``path``'s pages in the page cache (``mincore``); ``None`` if it cannot be asked."""
     size = path.stat().st_size
@@ -185,13 +158,13 @@ class PageCache:
         self.notes: list[str] = []
         probe = root / "page_cache_probe.bin"
         write_file(probe, memoryview(os.urandom(PROBE_NBYTES)))
-        candidates = ["drop_caches", "fadvise_dontneed"] if wanted == "auto" else [wanted]
+        candidates = list(PAGE_CACHE_METHODS) if wanted == "auto" else [wanted]
         for method in candidates:
             sync_fs(root)
             read_file_discard(probe)  # make sure the probe is cached before checking that it is evicted
             before = resident_fraction(probe)
             try:
-                self._evict(method)
+                evict_page_cache(method, self.root)
             except OSError as exc:
                 self.notes.append(f"{method}: {exc}")
                 continue
@@ -211,24 +184,7 @@ class PageCache:
     def evict(self) -> None:
         """Empty the page cache of every file under ``root`` (after writing dirty pages back)."""
         if self.method != "none":
-            self._evict(self.method)
-
-    def _evict(self, method: str) -> None:
-        if method == "drop_caches":
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-        elif method == "fadvise_dontneed":
-            sync_fs(self.root)  # DONTNEED skips dirty pages
-            for dirpath, _, names in os.walk(self.root):
-                for name in names:
-                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
-        else:
-            raise ValueError(f"page cache method {method!r}; allowed: drop_caches, fadvise_dontneed")
+            evict_page_cache(self.method, self.root)
 
 
 # ------------------------------------------------------------------------------------------------- raw I/O
@@ -649,7 +605,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--io-threads", type=int, default=None, help="posix_io_threads (default: the config's)")
     p.add_argument("--cache-gb", type=float, default=None, help="cache_buffer_capacity_gb (default: the config's)")
     p.add_argument("--batch-mb", type=float, default=256, help="MiB of blocks per dump/load call (whole blocks)")
-    p.add_argument("--page-cache", default="auto", choices=["auto", "drop_caches", "fadvise_dontneed"])
+    p.add_argument("--page-cache", default="auto", choices=["auto", *PAGE_CACHE_METHODS])
     p.add_argument("--no-warm", dest="warm", action="store_false", help="skip the warm (page-cached) reads")
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
     args = p.parse_args(argv)
@@ -660,7 +616,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    load_start = round(os.getloadavg()[0], 2)
+    load_start = load_avg()
     base = Path(args.dir) if args.dir else REPO
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".store_bandwidth-", dir=base))
@@ -722,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     summary = {
         "benchmark": "store_bandwidth",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "unit": "GB/s, GB = 1e9 bytes of block payload",
         "dir": str(work),
         "filesystem": fs,
@@ -743,18 +699,9 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "posix_below_0.9x_raw": below,
         "problems": problems,
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "load_avg_1min_start": load_start,
-            "load_avg_1min_end": round(os.getloadavg()[0], 2),
-        },
+        "machine": machine_info(load_avg_start=load_start),
     }
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
-    return 1 if problems else 0
+    return emit_summary(summary, args.out, failed=bool(problems))
 
 
 if __name__ == "__main__":

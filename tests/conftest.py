@@ -16,7 +16,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     aio_items = [item for item in items if item.get_closest_marker("needs_aio")]
     if not aio_items:
         return
-    from ucm.store.posix_uring import aio_unusable_reason
+    from ucm.store.posix import aio_unusable_reason
 
     reason = aio_unusable_reason()
     if reason is not None:

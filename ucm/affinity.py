@@ -5,9 +5,8 @@ Why: vLLM's CPU worker binds its OpenMP threads one per core (``VLLM_CPU_OMP_THR
 thread is OpenMP thread 0, so it ends up bound to a single core. Linux threads inherit the affinity of the thread
 that creates them, so without this every UCM thread (Posix I/O, KVfold codec, DRAM-cache write-back, CPU copy
 slices) started from the worker would share that one core with the model's first OpenMP thread while the others sit
-idle during a blockwise load. Measured on a 2-vCPU machine (4000-token storage hit, 31 blocks, KVfold decode on the
-Posix I/O threads): each block's decode took 10-25 ms inside the engine against ~1 ms alone. On GPU and NPU servers
-the worker is not bound and this changes nothing.
+idle during a blockwise load (the slowdown seen is in benchmarks/RESULTS.md, "Other one-off costs"). On GPU and NPU
+servers the worker is not bound and this changes nothing.
 
 UCM's thread pools come from :func:`thread_pool` and its other threads from :func:`daemon_thread`.
 """

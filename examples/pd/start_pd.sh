@@ -33,7 +33,7 @@ start_instance() {  # role port
   local role=$1 port=$2
   local transfer='{"kv_connector":"UCMConnector","kv_connector_module_path":"ucm.integration.vllm.ucm_connector",'
   transfer+='"kv_role":"'$role'","kv_connector_extra_config":{"UCM_CONFIG_FILE":"'$UCM_CONFIG_FILE'"}}'
-  setsid "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$port" \
+  setsid "$(dirname "$PYTHON")/vllm" serve "$MODEL" --host 127.0.0.1 --port "$port" \
     --dtype bfloat16 --max-model-len 4096 --enforce-eager --kv-transfer-config "$transfer" \
     >"$LOG_DIR/$role-$port.log" 2>&1 &
   pids+=($!)

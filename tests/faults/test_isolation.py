@@ -14,7 +14,7 @@ from tests.helpers import MODELS_DIR
 from tests.store.blocks import make_blocks
 from ucm.store.cli import main, store_stats
 from ucm.store.posix import PosixStore
-from ucm.store.posix_scan import scan_store
+from ucm.store.posix.scan import scan_store
 from ucm.testing.models import ensure_tiny_llama
 
 

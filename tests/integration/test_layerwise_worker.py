@@ -20,8 +20,8 @@ from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.worker import LOAD_BUFFER_MAX_BYTES, UCMWorker, load_buffer_blocks
 from ucm.kernels.layouts import KVLayout
-from ucm.store import posix as posix_module
 from ucm.store.posix import PosixStore
+from ucm.store.posix import store as posix_module
 
 LAYERS = ("l0", "l1", "l2", "l3")
 BLOCK_SIZE, HEADS, DIM, NUM_BLOCKS = 32, 2, 16, 8

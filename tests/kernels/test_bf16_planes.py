@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from tests.kernels.sm90 import compile_for_sm90
-from ucm.kernels.bf16_planes import (
+from ucm.kernels.kvfold import (
     merge_bf16_planes,
     merge_bf16_planes_reference,
     split_bf16_planes,
     split_bf16_planes_reference,
 )
+from ucm.kernels.kvfold.cpu import merge_planes_numpy, split_planes_numpy
 
-IMPLS = ["triton", "cpu", "numpy", "torch"]
+# "numpy": the numba-free numpy version in kvfold.cpu, reached by no impl= name (see split/merge below).
+IMPLS = ["triton", "cpu", "numpy", "torch", "reference"]
 SIZES = [1, 7, 1000, 4099]
 
 
@@ -24,14 +26,27 @@ def all_patterns() -> torch.Tensor:
     return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
+def split(x: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if impl == "numpy":
+        return split_planes_numpy(x.reshape(-1).view(torch.int16))
+    return split_bf16_planes(x, impl=impl)  # type: ignore[arg-type]
+
+
+def merge(exp: torch.Tensor, sm: torch.Tensor, out: torch.Tensor, impl: str) -> None:
+    if impl == "numpy":
+        merge_planes_numpy(exp, sm, out.reshape(-1).view(torch.int16))
+    else:
+        assert merge_bf16_planes(exp, sm, out=out, impl=impl) is out  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_all_patterns_split_matches_reference_and_merges_back(impl: str) -> None:
     x = all_patterns()
-    exp, sm = split_bf16_planes(x, impl=impl)  # type: ignore[arg-type]
+    exp, sm = split(x, impl)
     ref_exp, ref_sm = split_bf16_planes_reference(x)
     assert torch.equal(exp, ref_exp) and torch.equal(sm, ref_sm)
     out = torch.full((x.numel(),), float("nan"), dtype=torch.bfloat16)
-    merge_bf16_planes(exp, sm, out=out, impl=impl)  # type: ignore[arg-type]
+    merge(exp, sm, out, impl)
     assert torch.equal(out.view(torch.int16), x.view(torch.int16))
     assert torch.equal(merge_bf16_planes_reference(exp, sm).view(torch.int16), x.view(torch.int16))
 
@@ -48,11 +63,11 @@ def test_fields() -> None:
 def test_uint8_input_and_odd_sizes(impl: str, n: int) -> None:
     gen = torch.Generator().manual_seed(n)
     raw = torch.randint(0, 256, (2 * n,), dtype=torch.uint8, generator=gen)
-    exp, sm = split_bf16_planes(raw, impl=impl)  # type: ignore[arg-type]
+    exp, sm = split(raw, impl)
     ref = split_bf16_planes_reference(raw)
     assert torch.equal(exp, ref[0]) and torch.equal(sm, ref[1])
     out = torch.full((2 * n,), 0xA5, dtype=torch.uint8)
-    merge_bf16_planes(exp, sm, out=out, impl=impl)  # type: ignore[arg-type]
+    merge(exp, sm, out, impl)
     assert torch.equal(out, raw)
 
 
@@ -65,6 +80,8 @@ def test_bad_inputs() -> None:
         split_bf16_planes(torch.zeros(4, 4, dtype=torch.bfloat16).t())
     with pytest.raises(ValueError, match="impl"):
         split_bf16_planes(torch.zeros(4, dtype=torch.bfloat16), impl="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"impl must be one of .*, got 'numpy'"):  # numpy is no impl= name
+        split_bf16_planes(torch.zeros(4, dtype=torch.bfloat16), impl="numpy")  # type: ignore[arg-type]
     e = torch.zeros(4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="must match"):
         merge_bf16_planes(e, torch.zeros(3, dtype=torch.uint8))
@@ -78,12 +95,12 @@ def test_bad_inputs() -> None:
 @pytest.mark.parametrize("kernel", ["split", "merge"])
 def test_kernel_compiles_for_sm90(kernel: str) -> None:
     """``triton.compile`` down to PTX and cubin (ptxas ships with triton) for an H100/H200 target."""
-    from ucm.kernels.bf16_planes import TILE, _merge_kernel, _split_kernel
+    from ucm.kernels.kvfold.triton import TILE, merge_planes_kernel, split_planes_kernel
 
     if kernel == "split":
-        fn, sig = _split_kernel, {"words_ptr": "*i16", "exp_ptr": "*u8", "sm_ptr": "*u8"}
+        fn, sig = split_planes_kernel, {"words_ptr": "*i16", "exp_ptr": "*u8", "sm_ptr": "*u8"}
     else:
-        fn, sig = _merge_kernel, {"exp_ptr": "*u8", "sm_ptr": "*u8", "words_ptr": "*i16"}
+        fn, sig = merge_planes_kernel, {"exp_ptr": "*u8", "sm_ptr": "*u8", "words_ptr": "*i16"}
     compile_for_sm90(
         fn,
         {**sig, "n": "i64", "TILE": "constexpr"},

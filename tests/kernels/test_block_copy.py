@@ -1,4 +1,4 @@
-"""The shared block-copy kernels (``ucm.kernels._block_copy``) through every implementation and op.
+"""The block-copy package (``ucm.kernels.block_copy``) through every implementation and op.
 
 - Triton under the interpreter on CPU tensors (``TRITON_INTERPRET=1`` semantics; small shapes, it is slow) and
   natively on CUDA when present; the numba CPU path and the torch path; all bit-exact against the naive references
@@ -39,13 +39,14 @@ from ucm.kernels import (
     scatter_layers,
     scatter_layers_reference,
 )
-from ucm.kernels._block_copy import _block_copy_kernel, kernel_meta
+from ucm.kernels.block_copy import cpu as block_copy_cpu
+from ucm.kernels.block_copy.triton import block_copy_kernel, kernel_meta
 from ucm.kernels.layouts import int_view
 
 ALL_LAYOUTS = [KVLayout.CPU_ATTN, KVLayout.FLASH_NHD, KVLayout.MLA]
 # (block_size, num_kv_heads, head_dim) kept small for the interpreter; odd head dims and both block sizes.
 SHAPES = [(16, 3, 80), (16, 1, 64), (128, 2, 128), (16, 1, 576)]
-CPU_IMPLS = ["cpu", "torch", "triton"]  # "triton" on CPU tensors = the Triton interpreter
+CPU_IMPLS = ["cpu", "torch", "triton", "reference"]  # "triton" on CPU tensors = the Triton interpreter
 NUM_LAYERS, NUM_BLOCKS = 3, 9
 IDS = [7, 0, 4, 8]
 
@@ -121,15 +122,13 @@ def test_cpu_attn_tile_kernel(shape: tuple, tile: int, nontemporal: bool, monkey
     non-temporal stores set to 0 or out of reach, so both run on small data), bit-exact through every op into
     poisoned outputs; shapes no tile divides (block_size 20) take the word kernels; a gather into a staging buffer one
     element off alignment takes ordinary stores."""
-    from ucm.kernels import _block_copy
-
-    monkeypatch.setattr(_block_copy, "_NONTEMPORAL_MIN_BYTES", 0 if nontemporal else 1 << 62)
+    monkeypatch.setattr(block_copy_cpu, "_NONTEMPORAL_MIN_BYTES", 0 if nontemporal else 1 << 62)
     plans: list[tuple[int, bool]] = []
-    real_plan = _block_copy.cpu_attn_plan
-    monkeypatch.setattr(_block_copy, "cpu_attn_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    real_plan = block_copy_cpu.cpu_attn_plan
+    monkeypatch.setattr(block_copy_cpu, "cpu_attn_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
     caches = make_caches(KVLayout.CPU_ATTN, torch.bfloat16, shape)
     check_all_ops(caches, KVLayout.CPU_ATTN, "cpu")
-    assert plans and set(plans) == {(tile, nontemporal and tile > 0 and _block_copy._NONTEMPORAL)}, plans
+    assert plans and set(plans) == {(tile, nontemporal and tile > 0 and block_copy_cpu._NONTEMPORAL)}, plans
 
     ids = torch.tensor(IDS)
     ref = gather_blocks_reference(caches, ids, KVLayout.CPU_ATTN)
@@ -153,11 +152,9 @@ SPLIT_SHAPES = {  # one layer's paged shape: 10 blocks, block_size 128, 2 KV hea
 def test_cpu_path_split_over_threads(layout: KVLayout, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU path splits a copy of several MiB over ``torch.get_num_threads()`` threads (3 here: an uneven split
     of the work items); every op stays bit-exact into poisoned outputs."""
-    from ucm.kernels import _block_copy
-
     pools: list[int] = []
-    real_pool = _block_copy._cpu_pool
-    monkeypatch.setattr(_block_copy, "_cpu_pool", lambda workers: pools.append(workers) or real_pool(workers))
+    real_pool = block_copy_cpu._cpu_pool
+    monkeypatch.setattr(block_copy_cpu, "_cpu_pool", lambda workers: pools.append(workers) or real_pool(workers))
     gen = torch.Generator().manual_seed(5)
     caches = [random_kv(SPLIT_SHAPES[layout], dtype, gen) for _ in range(7)]  # 7 layers
     ids = torch.tensor([8, 1, 3, 0, 5, 9, 2, 6])
@@ -201,8 +198,13 @@ def test_layer_tensors_in_any_address_order() -> None:
 
 def test_bad_impl_and_mla_heads() -> None:
     caches = make_caches(KVLayout.MLA, torch.bfloat16, (16, 1, 64))
-    with pytest.raises(ValueError, match=r"impl must be one of .*'fast'"):
+    with pytest.raises(
+        ValueError, match=r"impl must be one of \['auto', 'triton', 'cpu', 'torch', 'reference'\], got 'fast'"
+    ):
         gather_blocks(caches, torch.tensor([0]), KVLayout.MLA, impl="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"impl must be one of .*'numba'"):  # "cpu" names the CPU path
+        shards = gather_layers(caches, torch.tensor([0]), KVLayout.MLA)
+        scatter_layers(shards, caches, torch.tensor([0]), KVLayout.MLA, impl="numba")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="MLA KV must be"):
         gather_blocks([torch.zeros(2, 16, 1, 64)], torch.tensor([0]), KVLayout.MLA)
     from ucm.kernels import canonical_block_shape
@@ -303,7 +305,7 @@ def test_kernel_compiles_for_sm90(layout: KVLayout, word: str, gather: bool) -> 
     }
     # What a launch with 16-byte aligned tensors and strides divisible by 16 specializes to.
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}
-    asm = compile_for_sm90(_block_copy_kernel, sig, const, attrs=aligned)
+    asm = compile_for_sm90(block_copy_kernel, sig, const, attrs=aligned)
     if layout not in (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX):
         assert "ld.global.v4" in asm["ptx"]
 

@@ -11,12 +11,14 @@ import torch
 
 from tests.kernels.interp import INTERPRETED, needs_interpreter, run_interpreted
 from tests.kernels.sm90 import compile_for_sm90
-from ucm.kernels.block_scores import _block_scores_kernel, block_scores, block_scores_reference, scores_kernel_meta
+from ucm.kernels.key_bounds import block_scores, block_scores_reference
+from ucm.kernels.key_bounds.triton import block_scores_kernel, scores_kernel_meta
 
 NUM_BLOCKS = 37
 # (num_heads, num_kv_heads, head_dim): SmolLM2 (9/3/64), MHA with an odd head dim, 8-way GQA.
 SHAPES = [(9, 3, 64), (4, 4, 80), (8, 1, 128)]
-IMPLS = ["torch", pytest.param("triton", marks=needs_interpreter)]  # Triton interpreter on CPU tensors
+# Triton: the interpreter on CPU tensors; "cpu" runs the torch code; "reference" the oracle through the op's dispatch.
+IMPLS = ["torch", "cpu", "reference", pytest.param("triton", marks=needs_interpreter)]
 RTOL, ATOL = 1e-5, 1e-4  # fp32 sums of 64-128 products reordered
 
 
@@ -83,7 +85,7 @@ def test_kernel_compiles_for_sm90(word: str) -> None:
         "W": "i32",
         **dict.fromkeys(const, "constexpr"),
     }
-    compile_for_sm90(_block_scores_kernel, sig, const)
+    compile_for_sm90(block_scores_kernel, sig, const)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreted run")

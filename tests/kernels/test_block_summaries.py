@@ -17,12 +17,8 @@ import torch
 from tests.kernels.interp import INTERPRETED, needs_interpreter, run_interpreted
 from tests.kernels.kv_data import poisoned
 from tests.kernels.sm90 import compile_for_sm90
-from ucm.kernels.block_summaries import (
-    _block_summaries_kernel,
-    block_summaries,
-    block_summaries_reference,
-    summaries_kernel_meta,
-)
+from ucm.kernels.key_bounds import block_summaries, block_summaries_reference
+from ucm.kernels.key_bounds.triton import block_summaries_kernel, summaries_kernel_meta
 from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
 from ucm.kernels.paged_keys import paged_keys
 
@@ -35,7 +31,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # CPU_ATTN_AMX (vLLM's amx variant): bf16 only, block_size and head_dim multiples of 32.
 AMX_SHAPES = [(32, 3, 64), (64, 2, 128)]
 AMX_DTYPES = [torch.bfloat16]
-IMPLS = ["torch", pytest.param("triton", marks=needs_interpreter)]  # Triton interpreter on CPU tensors
+# Triton: the interpreter on CPU tensors; "cpu" runs the torch code; "reference" the oracle through the op's dispatch.
+IMPLS = ["torch", "cpu", "reference", pytest.param("triton", marks=needs_interpreter)]
 IDS = [9, 0, 4, 10, 7]
 CPU_LAYOUTS = (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX)
 
@@ -125,7 +122,7 @@ def test_kernel_compiles_for_sm90(word: str, tiling: str) -> None:
         **dict.fromkeys(strides, "i64"),
         **dict.fromkeys(const, "constexpr"),
     }
-    compile_for_sm90(_block_summaries_kernel, sig, const)
+    compile_for_sm90(block_summaries_kernel, sig, const)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreted run")

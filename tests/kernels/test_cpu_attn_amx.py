@@ -31,6 +31,7 @@ from ucm.kernels import (
     scatter_blocks_reference,
     scatter_layers,
 )
+from ucm.kernels.block_copy import cpu as block_copy_cpu
 from ucm.kernels.layouts import amx_offsets, cpu_attn_kv_views, int_view
 
 AMX = KVLayout.CPU_ATTN_AMX
@@ -58,8 +59,11 @@ def load_case(case: dict) -> dict[str, torch.Tensor]:
 
 
 def gather(caches: list[torch.Tensor], ids: torch.Tensor, impl: str) -> torch.Tensor:
-    if impl == "reference":
-        return gather_blocks_reference(caches, ids, AMX)
+    if impl == "reference":  # the naive function itself, and the op's "reference" dispatch (into poisoned out)
+        ref = gather_blocks_reference(caches, ids, AMX)
+        got = gather_blocks(caches, ids, AMX, out=poisoned(tuple(ref.shape), ref.dtype), impl="reference")
+        assert bits_equal(got, ref)
+        return ref
     ref = gather_blocks_reference(caches, ids, AMX)
     return gather_blocks(caches, ids, AMX, out=poisoned(tuple(ref.shape), ref.dtype), impl=impl)  # type: ignore[arg-type]
 
@@ -163,7 +167,7 @@ def check_all_ops(caches: list[torch.Tensor], impl: str, ids_list: list[int] = I
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_every_impl_matches_reference(impl: str, shape: tuple[int, int, int]) -> None:
     check_all_ops(make_caches(shape), impl)
 
@@ -172,15 +176,13 @@ def test_every_impl_matches_reference(impl: str, shape: tuple[int, int, int]) ->
 def test_cpu_kernel_with_and_without_nontemporal_stores(nontemporal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The numba kernel with non-temporal and with ordinary stores (the size threshold set to 0 or out of reach, so
     both run on small data); a gather into a staging buffer one element off alignment takes ordinary stores."""
-    from ucm.kernels import _block_copy
-
-    monkeypatch.setattr(_block_copy, "_NONTEMPORAL_MIN_BYTES", 0 if nontemporal else 1 << 62)
+    monkeypatch.setattr(block_copy_cpu, "_NONTEMPORAL_MIN_BYTES", 0 if nontemporal else 1 << 62)
     plans: list[tuple[int, bool]] = []
-    real_plan = _block_copy.cpu_attn_plan
-    monkeypatch.setattr(_block_copy, "cpu_attn_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    real_plan = block_copy_cpu.cpu_attn_plan
+    monkeypatch.setattr(block_copy_cpu, "cpu_attn_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
     caches = make_caches((64, 3, 64))
     check_all_ops(caches, "cpu")
-    assert plans and set(plans) == {(32, nontemporal and _block_copy._NONTEMPORAL)}, plans
+    assert plans and set(plans) == {(32, nontemporal and block_copy_cpu._NONTEMPORAL)}, plans
 
     ids = torch.tensor(IDS)
     ref = gather_blocks_reference(caches, ids, AMX)
@@ -194,11 +196,9 @@ def test_cpu_kernel_with_and_without_nontemporal_stores(nontemporal: bool, monke
 
 def test_cpu_path_split_over_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Several MiB split over 3 threads (an uneven split of the (block, layer) items), bit-exact."""
-    from ucm.kernels import _block_copy
-
     pools: list[int] = []
-    real_pool = _block_copy._cpu_pool
-    monkeypatch.setattr(_block_copy, "_cpu_pool", lambda workers: pools.append(workers) or real_pool(workers))
+    real_pool = block_copy_cpu._cpu_pool
+    monkeypatch.setattr(block_copy_cpu, "_cpu_pool", lambda workers: pools.append(workers) or real_pool(workers))
     torch.set_num_threads(3)  # the module fixture restores the count
     caches = make_caches((128, 2, 128), seed=5, num_blocks=10)  # 3 layers x 8 blocks x 128 KiB = 3 MiB a copy
     check_all_ops(caches, "cpu", [8, 1, 3, 0, 5, 9, 2, 6])

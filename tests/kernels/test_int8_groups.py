@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.kernels.sm90 import compile_for_sm90
-from ucm.kernels.int8_groups import (
+from ucm.kernels.kvfold import (
     dequantize_int8_groups,
     dequantize_int8_groups_reference,
     quantize_int8_groups,
@@ -25,6 +25,7 @@ IMPLS = [
     ),
     "cpu",
     "torch",
+    "reference",
 ]
 
 
@@ -75,12 +76,12 @@ def test_bad_inputs() -> None:
 @pytest.mark.parametrize("kernel", ["quantize", "dequantize"])
 def test_kernel_compiles_for_sm90(kernel: str) -> None:
     """``triton.compile`` down to PTX and cubin for an H100/H200 target (head_dim 128 groups)."""
-    from ucm.kernels.int8_groups import TILE_GROUPS, _dequantize_kernel, _quantize_kernel
+    from ucm.kernels.kvfold.triton import TILE_GROUPS, dequantize_kernel, quantize_kernel
 
     if kernel == "quantize":
-        fn, sig = _quantize_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*i16"}
+        fn, sig = quantize_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*i16"}
     else:
-        fn, sig = _dequantize_kernel, {"q_ptr": "*i8", "s_ptr": "*bf16", "x_ptr": "*i16"}
+        fn, sig = dequantize_kernel, {"q_ptr": "*i8", "s_ptr": "*bf16", "x_ptr": "*i16"}
     const = {"GROUP": 128, "TILE_G": TILE_GROUPS, "TILE_V": 128}
     asm = compile_for_sm90(
         fn,

@@ -12,7 +12,8 @@ from ucm.config import GSAConfig
 from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
 from ucm.kernels.paged_keys import paged_keys
 from ucm.sparse import GSA, compact_block_table, invalidate_blocks, make_method
-from ucm.sparse.gsa import kept_blocks, select_reference
+from ucm.sparse.gsa import select_reference
+from ucm.sparse.selection import kept_blocks
 
 NUM_BLOCKS = 61
 # (num_kv_heads, num_heads, head_dim, block_size): SmolLM2's heads, a 4-way GQA with odd head_dim, MHA.
@@ -29,7 +30,7 @@ CONFIG_IDS = ["r0.3", "r0.5-w2-3-min8", "r0.1-w0-1-min2"]
 AMX_SHAPES = [(3, 9, 64, 32), (2, 8, 128, 64)]
 AMX_SHAPE_IDS = [f"kv{h}-q{hq}-d{d}-bs{bs}" for h, hq, d, bs in AMX_SHAPES]
 SCORINGS = ["key_bounds", "attention", "sparq"]
-IMPLS = ["numba", "torch", "reference"]
+IMPLS = ["cpu", "torch", "reference"]
 
 
 def _batch(h: int, hq: int, d: int, bs: int, seed: int = 0):
@@ -65,7 +66,7 @@ def _kept_ids(sel, r: int) -> list[int]:
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("impl", ["numba", "torch", "reference"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_selection_matches_reference(h: int, hq: int, d: int, bs: int, cfg: GSAConfig, impl: str) -> None:
     keys, table, lens, q = _batch(h, hq, d, bs)
     method = GSA(cfg, impl=impl)
@@ -100,35 +101,6 @@ def test_amx_keys_select_what_cpu_attn_keys_select(impl: str, h: int, hq: int, d
     assert kept[KVLayout.CPU_ATTN_AMX] == kept[KVLayout.CPU_ATTN]
     assert lengths[KVLayout.CPU_ATTN_AMX] == lengths[KVLayout.CPU_ATTN]
     assert len(kept[KVLayout.CPU_ATTN][0]) < math.ceil(int(lens[0]) / bs)
-
-
-@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
-def test_numba_keep_blocks_is_the_torch_selection(cfg: GSAConfig) -> None:
-    """``keep_blocks`` (one numba call) against ``compact_block_table(keep_mask(aggregate_scores(...)))``, whole
-    tables compared: rows that select, a row below ``min_blocks``, an empty row, a row not selecting (``rows``), and
-    tied scores (equal heads over several blocks: the earlier block wins, as in the stable torch sort)."""
-    from ucm.sparse.gsa import aggregate_scores, keep_blocks, keep_mask
-
-    g = torch.Generator().manual_seed(3)
-    bs, width, hq = 16, 24, 6
-    lens = torch.tensor([24 * bs, 20 * bs + 3, 3 * bs, 0, 17 * bs - 2, 22 * bs], dtype=torch.int32)
-    table = torch.randperm(200, generator=g)[: 6 * width].view(6, width).to(torch.int32)
-    rows = torch.tensor([0, 1, 2, 3, 5])  # row 4 keeps everything however long it is
-    n = torch.div(lens.long() + bs - 1, bs, rounding_mode="floor")
-    head = torch.randn((rows.numel(), hq, width), generator=g)
-    head[0, :, 5:12] = 3.0  # ties across seven blocks of row 0
-    head[1] = torch.randn((1, width), generator=g).expand(hq, width)
-    head = head.masked_fill(torch.arange(width)[None, None, :] >= n[rows][:, None, None], float("-inf"))
-    for temperature in (1.0, 0.125):
-        got = keep_blocks(head, temperature, rows, table, lens, bs, cfg)
-        keep = torch.ones(table.shape, dtype=torch.bool)
-        keep[rows] = keep_mask(aggregate_scores(head, temperature), n[rows], cfg)
-        keep[rows[n[rows] < cfg.min_blocks]] = True
-        want = compact_block_table(table, lens, keep, bs)
-        assert torch.equal(got.block_table, want.block_table)
-        assert torch.equal(got.seq_lens, want.seq_lens) and got.seq_lens.dtype == lens.dtype
-        assert torch.equal(got.kept, want.kept) and torch.equal(got.num_blocks, want.num_blocks)
-    assert int(got.kept[4]) == int(n[4]) and int(got.kept[3]) == 0
 
 
 def test_windows_always_kept_and_best_block_found() -> None:
@@ -388,7 +360,8 @@ def test_sparq_scoring_follows_the_current_query() -> None:
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_sparq_selection_keeps_the_top_approximate_mass(cfg: GSAConfig) -> None:
-    from ucm.sparse.gsa import keep_mask, sparq_mass
+    from ucm.sparse.gsa import sparq_mass
+    from ucm.sparse.selection import keep_mask
 
     keys, table, lens, q = _batch(3, 9, 64, 32)
     sparq = GSAConfig.model_validate({**cfg.model_dump(), "block_scoring": "sparq", "score_channels": 8})
@@ -417,50 +390,21 @@ def test_sparq_scoring_with_all_blocks_kept_is_the_dense_table() -> None:
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize(("h", "hq", "d", "bs"), SHAPES, ids=SHAPE_IDS)
 def test_sparq_selection_is_the_reference_kernels(h: int, hq: int, d: int, bs: int, cfg: GSAConfig) -> None:
-    """The batched CPU paths (numba's fused pass; torch's one gather and matmul for all rows) keep the blocks the
-    loop-by-loop oracle keeps."""
+    """The batched CPU paths (the numba fused pass of ``impl="cpu"``; torch's one gather and matmul for all rows)
+    keep the blocks the loop-by-loop oracle keeps."""
     keys, table, lens, q = _batch(h, hq, d, bs)
     sparq = GSAConfig.model_validate({**cfg.model_dump(), "block_scoring": "sparq", "score_channels": 8})
     kept = {}
-    for impl in ("numba", "torch", "reference"):
+    for impl in ("cpu", "torch", "reference"):
         method = GSA(sparq, impl=impl)
         sel = method.select(q, keys, method.new_summaries(NUM_BLOCKS, h, d, torch.device("cpu")), table, lens, d**-0.5)
         kept[impl] = [_kept_ids(sel, r) for r in range(4)]
-    assert kept["numba"] == kept["torch"] == kept["reference"]
-
-
-@pytest.mark.parametrize(("h", "hq", "d", "channels"), [(3, 9, 64, 16), (2, 8, 40, 40), (4, 4, 32, 1)])
-def test_numba_sparq_query_is_the_torch_one(h: int, hq: int, d: int, channels: int) -> None:
-    """SparQ's query step in numba (the fused CPU selection's first step) picks the torch path's components and
-    scales them alike (fp32 rounding); components of equal ``|q|`` may come in another order (compared sorted)."""
-    import numpy as np
-
-    from ucm.kernels._numba_sparq import sparq_query as sparq_query_numba
-    from ucm.sparse.gsa import sparq_query
-
-    q = torch.randn((5, hq, d), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).float()
-    q[2, : hq // h] = 0.0  # a KV head whose query heads are all zero: the share clamps, nothing divides by zero
-    want_q, want_idx = sparq_query(q, h, channels, d**-0.5)
-    got_q = np.empty((5, hq, channels), np.float32)
-    got_idx = np.empty((5, h, channels), np.int64)
-    sparq_query_numba(q.numpy(), h, d**-0.5, got_q, got_idx)
-    group = hq // h
-
-    def by_component(idx: torch.Tensor, q_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx, order = idx.sort(dim=-1)
-        per_head = order.repeat_interleave(group, dim=1)  # [R, HQ, C]: each query head follows its KV head
-        return idx, q_r.gather(2, per_head)
-
-    got_idx, got_q = by_component(torch.from_numpy(got_idx), torch.from_numpy(got_q))
-    want_idx, want_q = by_component(want_idx, want_q)
-    rows = [0, 1, 3, 4]  # row 2's first KV head: every |q| is 0, any components are right
-    assert torch.equal(got_idx[rows], want_idx[rows]) and torch.equal(got_idx[2, 1:], want_idx[2, 1:])
-    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
+    assert kept["cpu"] == kept["torch"] == kept["reference"]
 
 
 def test_fused_sparq_selection_refuses_blocks_outside_the_cache() -> None:
     keys, table, lens, q = _batch(3, 9, 64, 32)
-    method = GSA(GSAConfig(block_scoring="sparq"), impl="numba")
+    method = GSA(GSAConfig(block_scoring="sparq"), impl="cpu")
     bad = table.clone()
     bad[0, 4] = NUM_BLOCKS + 2
     summaries = method.new_summaries(NUM_BLOCKS, 3, 64, torch.device("cpu"))
@@ -471,13 +415,14 @@ def test_fused_sparq_selection_refuses_blocks_outside_the_cache() -> None:
 _WARM_UP_CHILD = """
 import json, sys, torch
 from ucm.config import GSAConfig
-from ucm.kernels import _numba_sparq
 from ucm.kernels.paged_keys import paged_keys
 from ucm.kernels.layouts import KVLayout
-from ucm.sparse import GSA, _numba_select
+from ucm.kernels.sparq import cpu_numba as sparq_kernels
+from ucm.sparse import GSA
+from ucm.sparse.selection import cpu_numba as selection_kernels
 
 dtype, warm_layout, layout = getattr(torch, sys.argv[1]), KVLayout(sys.argv[2]), KVLayout(sys.argv[3])
-kernels = (_numba_sparq.sparq_query, _numba_sparq.block_lse, _numba_select.keep_blocks)
+kernels = (sparq_kernels.sparq_query_kernel, sparq_kernels.block_lse_kernel, selection_kernels.keep_blocks_kernel)
 method = GSA(GSAConfig(block_scoring="sparq"))
 method.warm_up(dtype, torch.device("cpu"), warm_layout)
 before = [len(k.signatures) for k in kernels]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.store.helpers import STORE_MODE_PARAMS
+from tests.store.helpers import STORE_MODE_PARAMS, Closer
 from ucm.store.posix import PosixStore
 
 
@@ -19,6 +19,14 @@ def store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[PosixStore
     s = PosixStore(str(tmp_path / "kv"), io_direct=io_direct, io_engine=io_engine)
     yield s
     s.close()
+
+
+@pytest.fixture
+def close_after() -> Iterator[Closer]:
+    """``close_after(store)``: the store, closed when the test ends, even when it fails (see :class:`Closer`)."""
+    closer = Closer()
+    yield closer
+    closer.close_all()
 
 
 @pytest.fixture

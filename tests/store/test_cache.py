@@ -13,6 +13,7 @@ import torch
 
 import ucm.store.cache as cache_module
 from tests.store.blocks import make_blocks, make_keys, poisoned
+from tests.store.helpers import Closer
 from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
 from ucm.store.cache import CacheStore
 from ucm.store.posix import PosixStore
@@ -66,8 +67,8 @@ def test_capacity_must_be_positive() -> None:
             CacheStore(None, bad)
 
 
-def test_dram_only_round_trip_and_lru_order() -> None:
-    cache = CacheStore(None, 3 * NBYTES + 50)
+def test_dram_only_round_trip_and_lru_order(close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, 3 * NBYTES + 50))
     keys = make_keys(4, seed=1)
     src = make_blocks(4, NBYTES, seed=2)
     assert cache.wait(cache.dump(keys[:3], src[:3])).ok
@@ -90,11 +91,10 @@ def test_dram_only_round_trip_and_lru_order() -> None:
     assert result.failed == {1}
     for i in (0, 2, 3):
         assert torch.equal(dst[i], src[i])
-    cache.close()
 
 
-def test_capacity_respected_in_bytes() -> None:
-    cache = CacheStore(None, 3 * NBYTES + 99)
+def test_capacity_respected_in_bytes(close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, 3 * NBYTES + 99))
     keys = make_keys(10, seed=3)
     src = make_blocks(10, NBYTES, seed=4)
     cache.wait(cache.dump(keys, src))
@@ -105,20 +105,19 @@ def test_capacity_respected_in_bytes() -> None:
     assert cache.wait(cache.dump(big_keys[:1], make_blocks(1, 2 * NBYTES, seed=6))).ok
     assert cache.used_bytes == 3 * NBYTES
     assert cache.cached_keys() == [keys[9], big_keys[0]]
-    cache.close()
 
 
-def test_dram_only_too_big_block_fails() -> None:
-    cache = CacheStore(None, NBYTES - 1)
+def test_dram_only_too_big_block_fails(close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, NBYTES - 1))
     keys = make_keys(2, seed=7)
     assert cache.wait(cache.dump(keys, make_blocks(2, NBYTES, seed=8))).failed == {0, 1}
     assert cache.used_bytes == 0 and cache.lookup(keys) == 0
 
 
-def test_pinned_blocks_are_not_evicted() -> None:
+def test_pinned_blocks_are_not_evicted(close_after: Closer) -> None:
     inner = DictStore()
     inner.release.clear()  # hold the write-back in flight: its blocks stay pinned
-    cache = CacheStore(inner, 2 * NBYTES)
+    cache = close_after(CacheStore(inner, 2 * NBYTES))
     keys = make_keys(4, seed=9)
     src = make_blocks(4, NBYTES, seed=10)
     first = cache.dump(keys[:2], src[:2])
@@ -142,15 +141,15 @@ def test_pinned_blocks_are_not_evicted() -> None:
     assert inner.closed
 
 
-def test_write_back_reaches_posix(tmp_path: Path) -> None:
+def test_write_back_reaches_posix(tmp_path: Path, close_after: Closer) -> None:
     dirs = f"{tmp_path / 'a'}:{tmp_path / 'b'}"
-    cache = CacheStore(PosixStore(dirs), 8 * NBYTES)
+    cache = close_after(CacheStore(PosixStore(dirs), 8 * NBYTES))
     keys = make_keys(20, seed=11)
     src = make_blocks(20, NBYTES, seed=12)
     task = cache.dump(keys, src)
     cache.flush()
     assert cache.check(task) and cache.wait(task).ok
-    fresh = PosixStore(dirs)
+    fresh = close_after(PosixStore(dirs))
     dst = poisoned(20, NBYTES)
     assert fresh.wait(fresh.load(keys, dst)).ok
     assert torch.equal(dst, src)
@@ -161,15 +160,15 @@ def test_write_back_reaches_posix(tmp_path: Path) -> None:
         cache.dump(keys, src)
 
 
-def test_read_through_promotion(tmp_path: Path) -> None:
+def test_read_through_promotion(tmp_path: Path, close_after: Closer) -> None:
     kv = str(tmp_path / "kv")
     keys = make_keys(6, seed=13)
     src = make_blocks(6, NBYTES, seed=14)
-    writer = PosixStore(kv)
+    writer = close_after(PosixStore(kv))
     assert writer.wait(writer.dump(keys, src)).ok
     writer.close()
 
-    cache = CacheStore(PosixStore(kv), 4 * NBYTES)
+    cache = close_after(CacheStore(PosixStore(kv), 4 * NBYTES))
     assert cache.cached_keys() == []
     assert cache.lookup(keys) == 6
     dst = poisoned(1, NBYTES)
@@ -190,12 +189,11 @@ def test_read_through_promotion(tmp_path: Path) -> None:
     result = cache.wait(cache.load(keys, dst))
     assert result.failed == {0, 1}
     assert torch.equal(dst[2:], src[2:])
-    cache.close()
 
 
-def test_load_mixed_tiers_and_missing() -> None:
+def test_load_mixed_tiers_and_missing(close_after: Closer) -> None:
     inner = DictStore()
-    cache = CacheStore(inner, 10 * NBYTES)
+    cache = close_after(CacheStore(inner, 10 * NBYTES))
     keys = make_keys(6, seed=15)
     src = make_blocks(6, NBYTES, seed=16)
     assert cache.wait(cache.dump(keys[:2], src[:2])).ok  # DRAM and below
@@ -208,12 +206,11 @@ def test_load_mixed_tiers_and_missing() -> None:
     for i in (0, 1, 3, 5):
         assert torch.equal(dst[i], src[i])
     assert torch.equal(dst[2], poisoned(1, NBYTES)[0]) and torch.equal(dst[4], poisoned(1, NBYTES)[0])
-    cache.close()
 
 
-def test_lookup_across_tiers() -> None:
+def test_lookup_across_tiers(close_after: Closer) -> None:
     inner = DictStore()
-    cache = CacheStore(inner, 10 * NBYTES)
+    cache = close_after(CacheStore(inner, 10 * NBYTES))
     keys = make_keys(6, seed=17)
     src = make_blocks(6, NBYTES, seed=18)
     assert cache.wait(cache.dump([keys[0], keys[1], keys[4]], src[[0, 1, 4]])).ok
@@ -227,47 +224,46 @@ def test_lookup_across_tiers() -> None:
     assert cache.lookup(keys) == 3
     assert cache.lookup(keys[5:]) == 0
     assert cache.lookup([]) == 0
-    cache.close()
 
 
-def test_too_big_block_goes_to_inner_only(tmp_path: Path) -> None:
+def test_too_big_block_goes_to_inner_only(tmp_path: Path, close_after: Closer) -> None:
     kv = str(tmp_path / "kv")
-    cache = CacheStore(PosixStore(kv), NBYTES // 2)
+    cache = close_after(CacheStore(PosixStore(kv), NBYTES // 2))
     keys = make_keys(3, seed=19)
     src = make_blocks(3, NBYTES, seed=20)
     assert cache.wait(cache.dump(keys, src)).ok
     assert cache.cached_keys() == [] and cache.used_bytes == 0
-    posix = PosixStore(kv)
+    posix = close_after(PosixStore(kv))
     assert posix.lookup(keys) == 3
     posix.close()
     dst = poisoned(3, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok  # from storage, not promoted (too big)
     assert torch.equal(dst, src)
     assert cache.cached_keys() == []
-    cache.close()
 
 
-def test_failed_write_back_of_uncached_block_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_back_of_uncached_block_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_after: Closer
+) -> None:
     regular = tmp_path / "regular_file"
     regular.write_bytes(b"x")
-    posix = PosixStore(str(tmp_path / "kv"))
-    monkeypatch.setattr(posix, "_dirs", [str(regular / "kv")])  # every write fails (ENOTDIR)
-    cache = CacheStore(posix, 2 * NBYTES)
+    posix = close_after(PosixStore(str(tmp_path / "kv")))
+    monkeypatch.setattr(posix._files, "dirs", [str(regular / "kv")])  # every write fails (ENOTDIR)
+    cache = close_after(CacheStore(posix, 2 * NBYTES))
     keys = make_keys(3, seed=21)
     # Keys 0 and 1 fit in DRAM (held, so not failed); key 2 fits nowhere.
     result = cache.wait(cache.dump(keys, make_blocks(3, NBYTES, seed=22)))
     assert result.failed == {2}
     assert cache.lookup(keys) == 2
-    cache.close()
 
 
-def test_failed_write_back_is_retried_on_next_dump() -> None:
+def test_failed_write_back_is_retried_on_next_dump(close_after: Closer) -> None:
     inner = DictStore()
 
     def failing_dump(keys: Sequence[bytes], src: torch.Tensor) -> Task:
         return Task.completed(TaskResult(len(keys), frozenset(range(len(keys)))))
 
-    cache = CacheStore(inner, 4 * NBYTES)
+    cache = close_after(CacheStore(inner, 4 * NBYTES))
     keys = make_keys(2, seed=23)
     src = make_blocks(2, NBYTES, seed=24)
     inner.dump = failing_dump  # type: ignore[method-assign]
@@ -278,12 +274,11 @@ def test_failed_write_back_is_retried_on_next_dump() -> None:
     inner.dumped.clear()
     assert cache.wait(cache.dump(keys, src)).ok
     assert inner.dumped == []  # already below: no third write
-    cache.close()
 
 
-def test_concurrent_dumps_and_loads() -> None:
+def test_concurrent_dumps_and_loads(close_after: Closer) -> None:
     inner = DictStore()
-    cache = CacheStore(inner, 16 * NBYTES)
+    cache = close_after(CacheStore(inner, 16 * NBYTES))
     keys = make_keys(64, seed=25)
     src = make_blocks(64, NBYTES, seed=26)
     errors: list[str] = []
@@ -313,18 +308,17 @@ def test_concurrent_dumps_and_loads() -> None:
     assert errors == []
     dst = poisoned(64, NBYTES)
     assert cache.wait(cache.load(keys, dst)).failed == {i for i in range(64) if keys[i] not in inner.blocks}
-    cache.close()
 
 
-def test_load_into_inference_tensor_from_both_tiers(tmp_path: Path) -> None:
+def test_load_into_inference_tensor_from_both_tiers(tmp_path: Path, close_after: Closer) -> None:
     """vLLM runs the model under torch.inference_mode, so the worker's dst is an inference tensor; the part of a
     load that finishes on the cache's own thread must still be able to write into it."""
     keys = make_keys(3, seed=21)
     src = make_blocks(3, NBYTES, seed=22)
-    writer = PosixStore(str(tmp_path / "kv"))
+    writer = close_after(PosixStore(str(tmp_path / "kv")))
     assert writer.wait(writer.dump(keys, src)).ok
     writer.close()
-    cache = CacheStore(PosixStore(str(tmp_path / "kv")), 8 * NBYTES)
+    cache = close_after(CacheStore(PosixStore(str(tmp_path / "kv")), 8 * NBYTES))
     with torch.inference_mode():
         assert cache.wait(cache.load(keys[:1], poisoned(1, NBYTES))).ok  # promotes key 0 into DRAM
         cache.flush()
@@ -332,7 +326,6 @@ def test_load_into_inference_tensor_from_both_tiers(tmp_path: Path) -> None:
         result = cache.wait(cache.load(keys, dst))  # key 0 from DRAM, keys 1-2 from files via the loader thread
     assert result.ok
     assert torch.equal(dst, src)
-    cache.close()
 
 
 # -- block slots: reuse, capacity counted in slots, mixed sizes, no slot reused under a reader -------------------
@@ -372,8 +365,8 @@ def slot_ptrs(cache: CacheStore) -> set[int]:
     return {cache._entries[key].data.data_ptr() for key in cache.cached_keys()}
 
 
-def test_slots_are_reused_after_eviction_and_keep_bytes() -> None:
-    cache = CacheStore(None, 3 * NBYTES + 50)
+def test_slots_are_reused_after_eviction_and_keep_bytes(close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, 3 * NBYTES + 50))
     keys = make_keys(30, seed=40)
     src = make_blocks(30, NBYTES, seed=41)
     assert cache.wait(cache.dump(keys[:3], src[:3])).ok
@@ -387,12 +380,11 @@ def test_slots_are_reused_after_eviction_and_keep_bytes() -> None:
         assert cache.wait(cache.load(keys[start : start + 3], dst)).ok
         assert torch.equal(dst, src[start : start + 3])
     assert cache.lookup(keys[:27]) == 0
-    cache.close()
 
 
-def test_dump_writes_back_from_src_rows_without_copying() -> None:
+def test_dump_writes_back_from_src_rows_without_copying(close_after: Closer) -> None:
     inner = SlowLoadStore()
-    cache = CacheStore(inner, 10 * NBYTES)
+    cache = close_after(CacheStore(inner, 10 * NBYTES))
     keys = make_keys(6, seed=42)
     src = make_blocks(6, NBYTES, seed=43)
     assert cache.wait(cache.dump(keys[1:2] + keys[4:5], src[[1, 4]])).ok
@@ -407,16 +399,15 @@ def test_dump_writes_back_from_src_rows_without_copying() -> None:
     dst = poisoned(6, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok
     assert torch.equal(dst, make_blocks(6, NBYTES, seed=43))
-    cache.close()
 
 
-def test_promotion_keeps_the_slot_the_miss_was_read_into() -> None:
+def test_promotion_keeps_the_slot_the_miss_was_read_into(close_after: Closer) -> None:
     inner = SlowLoadStore()
     keys = make_keys(4, seed=44)
     src = make_blocks(4, NBYTES, seed=45)
     for i, key in enumerate(keys):
         inner.blocks[key] = src[i].clone()
-    cache = CacheStore(inner, 4 * NBYTES)
+    cache = close_after(CacheStore(inner, 4 * NBYTES))
     dst = poisoned(4, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok
     assert torch.equal(dst, src)
@@ -428,12 +419,11 @@ def test_promotion_keeps_the_slot_the_miss_was_read_into() -> None:
     dst = poisoned(4, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok  # from DRAM alone
     assert torch.equal(dst, src)
-    cache.close()
 
 
-def test_slot_being_read_into_is_never_handed_out() -> None:
+def test_slot_being_read_into_is_never_handed_out(close_after: Closer) -> None:
     inner = SlowLoadStore()
-    cache = CacheStore(inner, 2 * NBYTES)
+    cache = close_after(CacheStore(inner, 2 * NBYTES))
     keys = make_keys(6, seed=46)
     src = make_blocks(6, NBYTES, seed=47)
     inner.blocks[keys[0]] = src[0].clone()
@@ -453,11 +443,10 @@ def test_slot_being_read_into_is_never_handed_out() -> None:
     inner.blocks.clear()
     assert cache.wait(cache.load([keys[0], keys[5]], dst)).ok
     assert torch.equal(dst, src[[0, 5]])
-    cache.close()
 
 
-def test_block_being_copied_out_is_not_evicted(monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = CacheStore(None, 2 * NBYTES)
+def test_block_being_copied_out_is_not_evicted(monkeypatch: pytest.MonkeyPatch, close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, 2 * NBYTES))
     keys = make_keys(4, seed=48)
     src = make_blocks(4, NBYTES, seed=49)
     assert cache.wait(cache.dump(keys[:2], src[:2])).ok
@@ -484,14 +473,13 @@ def test_block_being_copied_out_is_not_evicted(monkeypatch: pytest.MonkeyPatch) 
         release.set()
     reader.join(timeout=10)
     assert torch.equal(dst[0], src[0])
-    cache.close()
 
 
 MIXED_SIZES = [NBYTES, 2 * NBYTES + 7, 3 * NBYTES - 1]
 
 
-def test_mixed_block_sizes_share_the_capacity_in_slots() -> None:
-    cache = CacheStore(None, 7 * NBYTES)
+def test_mixed_block_sizes_share_the_capacity_in_slots(close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, 7 * NBYTES))
     rng = random.Random(50)
     keys = make_keys(60, seed=51)
     size_of = {key: MIXED_SIZES[i % 3] for i, key in enumerate(keys)}
@@ -509,11 +497,10 @@ def test_mixed_block_sizes_share_the_capacity_in_slots() -> None:
     for key in cache.cached_keys():
         dst = poisoned(1, size_of[key])
         assert cache.wait(cache.load([key], dst)).ok and torch.equal(dst, blocks[key])
-    cache.close()
 
 
-def test_other_size_gets_room_from_free_slots_then_lru() -> None:
-    cache = CacheStore(None, 4 * NBYTES)
+def test_other_size_gets_room_from_free_slots_then_lru(close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, 4 * NBYTES))
     keys = make_keys(6, seed=52)
     small = make_blocks(4, NBYTES, seed=53)
     assert cache.wait(cache.dump(keys[:4], small)).ok
@@ -530,14 +517,15 @@ def test_other_size_gets_room_from_free_slots_then_lru() -> None:
     assert cache.wait(cache.load(keys[4:5], dst)).ok and torch.equal(dst, again)
     dst = poisoned(1, NBYTES)
     assert cache.wait(cache.load(keys[3:4], dst)).ok and torch.equal(dst[0], small[3])
-    cache.close()
 
 
 @pytest.mark.parametrize("sizes", [[NBYTES], MIXED_SIZES], ids=["one_size", "mixed_sizes"])
-def test_concurrent_loads_and_dumps_over_posix_are_bit_exact(tmp_path: Path, sizes: list[int]) -> None:
+def test_concurrent_loads_and_dumps_over_posix_are_bit_exact(
+    tmp_path: Path, sizes: list[int], close_after: Closer
+) -> None:
     """Several threads dump and load through a cache far smaller than the blocks, so slots are evicted, reused and
     promoted into all the time; every loaded row must be the dumped bytes."""
-    cache = CacheStore(PosixStore(str(tmp_path / "kv"), io_threads=3), 6 * NBYTES)
+    cache = close_after(CacheStore(PosixStore(str(tmp_path / "kv"), io_threads=3), 6 * NBYTES))
     keys = make_keys(40, seed=56)
     size_of = {key: sizes[i % len(sizes)] for i, key in enumerate(keys)}
     blocks = {key: make_blocks(1, size_of[key], seed=200 + i)[0] for i, key in enumerate(keys)}
@@ -573,7 +561,6 @@ def test_concurrent_loads_and_dumps_over_posix_are_bit_exact(tmp_path: Path, siz
     for key in stored:
         dst = poisoned(1, size_of[key])
         assert cache.wait(cache.load([key], dst)).ok and torch.equal(dst[0], blocks[key])
-    cache.close()
 
 
 class PreparedStore(DictStore):
@@ -591,9 +578,9 @@ def free_ptrs(cache: CacheStore, nbytes: int) -> set[int]:
     return {slot.data_ptr() for slot in cache._free.get(nbytes, [])}
 
 
-def test_prefault_fills_free_slots_that_blocks_then_use() -> None:
+def test_prefault_fills_free_slots_that_blocks_then_use(close_after: Closer) -> None:
     inner = PreparedStore()
-    cache = CacheStore(inner, 10 * NBYTES + 50, prefault_bytes=4 * NBYTES + 99)
+    cache = close_after(CacheStore(inner, 10 * NBYTES + 50, prefault_bytes=4 * NBYTES + 99))
     assert cache.slot_bytes == 0  # nothing allocated before prepare: the block size is not known yet
     cache.prepare(NBYTES)
     assert inner.prepared == [NBYTES]  # passed down
@@ -618,11 +605,10 @@ def test_prefault_fills_free_slots_that_blocks_then_use() -> None:
     assert cache.usage() == (6 * NBYTES, 6 * NBYTES)
     dst = poisoned(6, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok and torch.equal(dst, src)
-    cache.close()
 
 
-def test_prefault_stays_within_capacity_and_stops_at_close() -> None:
-    cache = CacheStore(None, 5 * NBYTES, prefault_bytes=5 * NBYTES)
+def test_prefault_stays_within_capacity_and_stops_at_close(close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, 5 * NBYTES, prefault_bytes=5 * NBYTES))
     keys = make_keys(3, seed=92)
     assert cache.wait(cache.dump(keys, make_blocks(3, NBYTES, seed=93))).ok
     cache.prepare(NBYTES)
@@ -632,37 +618,40 @@ def test_prefault_stays_within_capacity_and_stops_at_close() -> None:
     cache.close()
     # close stops a prefault in progress and joins its thread; prepare after close starts none
     big = 1 << 20
-    cache = CacheStore(None, 1024 * big, prefault_bytes=1024 * big)
+    cache = close_after(CacheStore(None, 1024 * big, prefault_bytes=1024 * big))
     cache.prepare(big)
     cache.close()
     assert cache._prefault_thread is not None and not cache._prefault_thread.is_alive()
     assert cache.slot_bytes < 1024 * big
-    closed = CacheStore(None, 4 * NBYTES, prefault_bytes=4 * NBYTES)
+    closed = close_after(CacheStore(None, 4 * NBYTES, prefault_bytes=4 * NBYTES))
     closed.close()
     closed.prepare(NBYTES)
     assert closed._prefault_thread is None and closed.slot_bytes == 0
 
 
-def test_prefault_arguments_are_checked() -> None:
+def test_prefault_arguments_are_checked(close_after: Closer) -> None:
     for bad in (-1, 3 * NBYTES + 1):
         with pytest.raises(ValueError, match=r"prefault_bytes must lie in \[0, capacity_bytes = 300\]"):
             CacheStore(None, 3 * NBYTES, prefault_bytes=bad)
-    cache = CacheStore(None, 3 * NBYTES, prefault_bytes=3 * NBYTES)
+    cache = close_after(CacheStore(None, 3 * NBYTES, prefault_bytes=3 * NBYTES))
     with pytest.raises(ValueError, match="block_nbytes must be >= 1, got 0"):
         cache.prepare(0)
     cache.prepare(4 * NBYTES)  # a block larger than the prefault: nothing to do
     assert cache._prefault_thread is None
-    cache.close()
 
 
-def test_prepare_reaches_every_stage_of_a_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepare_reaches_every_stage_of_a_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_after: Closer
+) -> None:
     from ucm.config import UcmPipelineStoreConfig
     from ucm.store.pipeline import build_store
 
     seen: list[int] = []
     monkeypatch.setattr(PosixStore, "prepare", lambda self, block_nbytes: seen.append(block_nbytes), raising=False)
     for pipeline in ("Cache|Posix", "Cache|Compress|Posix"):
-        store = build_store(UcmPipelineStoreConfig(store_pipeline=pipeline, storage_backends=str(tmp_path)))
+        store = close_after(
+            build_store(UcmPipelineStoreConfig(store_pipeline=pipeline, storage_backends=str(tmp_path)))
+        )
         store.prepare(3 * NBYTES)
         store.close()
     assert seen == [3 * NBYTES, 3 * NBYTES]

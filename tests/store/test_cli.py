@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.store.blocks import make_blocks, make_keys
+from tests.store.helpers import Closer
 from ucm.store.cli import main
 from ucm.store.posix import FILE_SUFFIX, HEADER_NBYTES, TMP_SUFFIX, PosixStore, namespace_tag
 
@@ -230,14 +231,14 @@ def test_location_required(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     assert "cannot read UCM config file" in capsys.readouterr().err
 
 
-def test_stats_and_clear_by_namespace(tmp_path: Path) -> None:
+def test_stats_and_clear_by_namespace(tmp_path: Path, close_after: Closer) -> None:
     """Blocks tagged by two namespaces and untagged ones: stats groups them with each namespace's description;
     clear --namespace deletes only that namespace's blocks."""
     dirs = f"{tmp_path / 'a'}:{tmp_path / 'b'}"
     tags = {}
     paths: dict[str, list[str]] = {}
     for name, seed in (("model-a", 40), ("model-b", 41), (None, 42)):
-        store = PosixStore(dirs)
+        store = close_after(PosixStore(dirs))
         if name is not None:
             digest = bytes([seed]) * 16
             store.set_namespace(digest, {"model": name, "kv_dtype": "bfloat16", "block_size": 128})

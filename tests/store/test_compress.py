@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -12,10 +12,20 @@ import torch
 
 from tests.helpers import needs_aio
 from tests.store.blocks import make_keys, poisoned
-from tests.store.helpers import STORE_MODE_PARAMS
+from tests.store.helpers import STORE_MODE_PARAMS, Closer
+from ucm.store.base import (
+    FOREIGN,
+    EncodedBlock,
+    EncodedStore,
+    PayloadDecoder,
+    Task,
+    TaskResult,
+    UcmKVStoreBase,
+)
+from ucm.store.cache import CacheStore
 from ucm.store.compress import CompressStore
 from ucm.store.kvfold import CONTAINER, KVGeometry
-from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER, HEADER_NBYTES, EncodedBlock, PosixStore
+from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER, HEADER_NBYTES, PosixStore, psync
 
 # A small model's block: 3 layers, block_size 16, 2 KV heads, head_dim 32 -> 12 KiB per block.
 GEOMETRY = KVGeometry(num_layers=3, block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
@@ -151,10 +161,12 @@ def test_fixed_rate_keeps_non_finite_blocks_exact(root: Path) -> None:
     ],
     ids=["lossless-by-off", "lossless-by-fixed", "off-by-lossless", "fixed-by-lossless"],
 )
-def test_read_under_other_settings(root: Path, writer: dict[str, object], reader: dict[str, object]) -> None:
+def test_read_under_other_settings(
+    root: Path, writer: dict[str, object], reader: dict[str, object], close_after: Closer
+) -> None:
     blocks = kv_blocks(2, seed=5)
     keys = make_keys(2, seed=5)
-    w = compress_store(root, **writer)
+    w = close_after(compress_store(root, **writer))
     assert w.wait(w.dump(keys, blocks)).ok
     expected, failed = load_all(w, keys, blocks.shape[1])  # what the writer itself reads back
     assert not failed
@@ -170,10 +182,10 @@ def test_read_under_other_settings(root: Path, writer: dict[str, object], reader
         r.close()
 
 
-def test_plain_posix_files_are_read_by_compress(root: Path) -> None:
+def test_plain_posix_files_are_read_by_compress(root: Path, close_after: Closer) -> None:
     blocks = kv_blocks(2, seed=6)
     keys = make_keys(2, seed=6)
-    plain = PosixStore(str(root))
+    plain = close_after(PosixStore(str(root)))
     assert plain.wait(plain.dump(keys, blocks)).ok
     plain.close()
     store = compress_store(root)
@@ -185,12 +197,12 @@ def test_plain_posix_files_are_read_by_compress(root: Path) -> None:
         store.close()
 
 
-def test_compressed_files_are_read_by_plain_posix(root: Path) -> None:
+def test_compressed_files_are_read_by_plain_posix(root: Path, close_after: Closer) -> None:
     """The other way round (``Cache|Posix`` after ``Cache|Compress|Posix``); every engine, mode and damage case is in
     ``tests/store/test_posix_decode.py``."""
     blocks = kv_blocks(2, seed=7)
     keys = make_keys(2, seed=7)
-    store = compress_store(root)
+    store = close_after(compress_store(root))
     assert store.wait(store.dump(keys, blocks)).ok
     store.close()
     plain = PosixStore(str(root))
@@ -296,8 +308,78 @@ def test_bad_settings_are_refused(root: Path) -> None:
         posix.close()
 
 
-def test_closed_store_refuses_work(root: Path) -> None:
-    store = compress_store(root)
+class BytesStore(UcmKVStoreBase, EncodedStore):
+    """A stage below that stores bytes in a dict (as a DRAM pool stage would): the encoded-payload verbs and the
+    contract's plain ones, on the calling thread. A damaged answer from the decoder drops the block."""
+
+    def __init__(self) -> None:
+        self.payloads: dict[bytes, tuple[int, bytes]] = {}
+
+    def encoded_store(self) -> EncodedStore:
+        return self
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return next((i for i, key in enumerate(keys) if key not in self.payloads), len(keys))
+
+    def load(self, keys: Sequence[bytes], dst: torch.Tensor) -> Task:
+        failed = [i for i, key in enumerate(keys) if self.payloads.get(key, (-1, b""))[0] != CODEC_RAW]
+        for i, key in enumerate(keys):
+            if i not in failed:
+                dst[i] = torch.frombuffer(bytearray(self.payloads[key][1]), dtype=torch.uint8)
+        return Task.completed(TaskResult(len(keys), frozenset(failed)))
+
+    def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
+        return self.dump_encoded(keys, [row.numpy().tobytes() for row in src], [CODEC_RAW] * len(keys))
+
+    def dump_encoded(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview], codecs: Sequence[int]
+    ) -> Task:
+        for key, payload, codec in zip(keys, payloads, codecs, strict=True):
+            self.payloads.setdefault(key, (codec, bytes(payload)))
+        return Task.completed(TaskResult(len(keys)))
+
+    def load_encoded(self, keys: Sequence[bytes], max_nbytes: int, consume: PayloadDecoder) -> Task:
+        failed = set()
+        for i, key in enumerate(keys):
+            codec, payload = self.payloads.get(key, (-1, b""))
+            reason = "missing" if codec < 0 or len(payload) > max_nbytes else None
+            if reason is None:
+                reason = consume(i, EncodedBlock(codec, memoryview(payload)))
+                if reason is not None and not reason.startswith(FOREIGN):
+                    del self.payloads[key]
+            if reason is not None:
+                failed.add(i)
+        return Task.completed(TaskResult(len(keys), frozenset(failed)))
+
+
+def test_compress_stacks_over_any_stage_that_stores_bytes(close_after: Closer) -> None:
+    """No class check: any stage whose ``encoded_store()`` holds encoded payloads takes the Compress stage, lossless
+    blocks round-trip bit-exact through it, and a raw block dumped below is read through it."""
+    below = BytesStore()
+    store = close_after(CompressStore(below))
+    store.set_namespace(TAG, NAMESPACE_INFO)
+    keys, blocks = make_keys(4, seed=16), kv_blocks(4, seed=16)
+    assert store.wait(store.dump(keys[:3], blocks[:3])).ok
+    assert {below.payloads[k][0] for k in keys[:3]} == {CODEC_KVFOLD}
+    assert all(len(below.payloads[k][1]) < blocks.shape[1] for k in keys[:3])
+    assert below.wait(below.dump(keys[3:], blocks[3:])).ok  # raw, as Cache|Posix writes
+    dst, failed = load_all(store, keys, blocks.shape[1])
+    assert not failed and torch.equal(dst, blocks)
+    below.payloads[keys[0]] = (CODEC_KVFOLD, b"\x02" + below.payloads[keys[0]][1][1:16])  # truncated: damaged
+    below.payloads[keys[1]] = (7, below.payloads[keys[1]][1])  # a codec this version does not know: foreign
+    _, failed = load_all(store, keys, blocks.shape[1])
+    assert failed == {0, 1}
+    assert keys[0] not in below.payloads and keys[1] in below.payloads  # the damaged one dropped, the foreign kept
+
+
+def test_compress_refuses_a_stage_without_encoded_payloads(close_after: Closer) -> None:
+    below = close_after(CacheStore(None, 1 << 20))  # DRAM only: canonical blocks, nothing to pass payloads to
+    with pytest.raises(TypeError, match="needs a stage below it that holds encoded payloads; CacheStore does not"):
+        CompressStore(below)
+
+
+def test_closed_store_refuses_work(root: Path, close_after: Closer) -> None:
+    store = close_after(compress_store(root))
     store.close()
     store.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
@@ -324,16 +406,16 @@ def test_decoding_starts_while_later_blocks_are_still_read(
     keys, blocks = make_keys(3, seed=11), kv_blocks(3, seed=11)
     assert not store.wait(store.dump(keys, blocks)).failed
     gate, decoded = threading.Event(), threading.Semaphore(0)
-    read_one = store.inner._load_encoded_one
+    read_one = psync.load_encoded_one
 
-    def held_read(key: bytes, *args: object) -> bool:
+    def held_read(files: object, key: bytes, *args: object) -> bool:
         if key == keys[2]:
             assert gate.wait(30), "the held read was never released"
-        ok = read_one(key, *args)  # type: ignore[arg-type]
+        ok = read_one(files, key, *args)  # type: ignore[arg-type]
         decoded.release()
         return ok
 
-    monkeypatch.setattr(store.inner, "_load_encoded_one", held_read)
+    monkeypatch.setattr(psync, "load_encoded_one", held_read)
     dst = poisoned(3, blocks.shape[1])
     task = store.load(keys, dst)
     try:
@@ -346,29 +428,30 @@ def test_decoding_starts_while_later_blocks_are_still_read(
     assert torch.equal(dst, blocks)
 
 
-def test_single_block_loads_run_as_wide_as_the_posix_io_threads(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_single_block_loads_run_as_wide_as_the_posix_io_threads(
+    root: Path, monkeypatch: pytest.MonkeyPatch, close_after: Closer
+) -> None:
     """The Cache stage loads its misses one block per call: six such loads are all read at once on the Posix stage's
     eight I/O threads (no coordinator thread per load capping them at COORDINATORS = 4)."""
     from ucm.store.compress import COORDINATORS
 
     n = COORDINATORS + 2
-    store = CompressStore(PosixStore(str(root), io_threads=8))
+    store = close_after(CompressStore(PosixStore(str(root), io_threads=8)))
     store.set_namespace(TAG, NAMESPACE_INFO)
     keys, blocks = make_keys(n, seed=15), kv_blocks(n, seed=15)
     assert not store.wait(store.dump(keys, blocks)).failed
     all_reading = threading.Barrier(n, timeout=30)  # broken (an error in the reads) unless n reads run at once
-    read_one = store.inner._load_encoded_one
+    read_one = psync.load_encoded_one
 
-    def read_together(key: bytes, *args: object) -> bool:
+    def read_together(files: object, key: bytes, *args: object) -> bool:
         all_reading.wait()
-        return read_one(key, *args)  # type: ignore[arg-type]
+        return read_one(files, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(store.inner, "_load_encoded_one", read_together)
+    monkeypatch.setattr(psync, "load_encoded_one", read_together)
     dst = poisoned(n, blocks.shape[1])
     tasks = [store.load(keys[i : i + 1], dst[i : i + 1]) for i in range(n)]
     assert all(store.wait(t).ok for t in tasks)
     assert torch.equal(dst, blocks)
-    store.close()
 
 
 @pytest.mark.parametrize(

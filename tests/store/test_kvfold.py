@@ -10,7 +10,7 @@ import torch
 import zstandard
 
 from tests.store.test_compress import all_bf16_patterns
-from ucm.kernels.bf16_planes import split_bf16_planes
+from ucm.kernels.kvfold import split_bf16_planes
 from ucm.store.base import BlockCorruptedError
 from ucm.store.kvfold import (
     CONTAINER,
@@ -219,8 +219,8 @@ def test_decode_after_warm_up_compiles_nothing(tmp_path: Path) -> None:
     (read-only) and from the Posix stage's reused read buffer (a writable ``bytearray``), and the tensor API's
     planes. A second specialization compiled on the first storage hit of a process (as one did before) costs ~0.1 s
     with every decoding thread waiting on numba's compiler lock."""
-    from ucm.kernels import _numba_planes
-    from ucm.kernels.bf16_planes import merge_bf16_planes
+    from ucm.kernels.kvfold import cpu_numba as _numba_planes
+    from ucm.kernels.kvfold import merge_bf16_planes
     from ucm.store.compress import CompressStore
     from ucm.store.posix import PosixStore
 

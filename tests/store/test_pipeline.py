@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.store.blocks import make_blocks, make_keys, poisoned
+from tests.store.helpers import Closer
 from ucm.config import UcmPipelineStoreConfig, parse_config
 from ucm.store import pipeline
 from ucm.store.cache import CacheStore
@@ -104,6 +105,57 @@ def test_build_refuses_an_unknown_pipeline(tmp_path: Path) -> None:
     cfg = UcmPipelineStoreConfig.model_construct(store_pipeline="Cache|Disk", storage_backends=str(tmp_path))
     with pytest.raises(ValueError, match=re.escape("Cache|Disk")):
         build_store(cfg)
+
+
+# -- stacking through the contract: what may sit below Compress ------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", pipeline.ENCODED_PAYLOAD_PIPELINES)
+def test_pipelines_named_as_holding_encoded_payloads_do(tmp_path: Path, spec: str, close_after: Closer) -> None:
+    """The list the stacking error names is what the stages answer: Posix stores encoded payloads itself, a Cache over
+    it passes them through to it (uncached)."""
+    store = close_after(build_store(store_config(tmp_path, spec)))
+    below = store._inner if isinstance(store, CacheStore) else store
+    assert isinstance(below, PosixStore)
+    assert store.encoded_store() is below
+
+
+def test_stages_keeping_canonical_blocks_hold_no_encoded_payloads(tmp_path: Path, close_after: Closer) -> None:
+    assert close_after(CacheStore(None, 1 << 20)).encoded_store() is None  # DRAM only: nothing below to pass to
+    assert close_after(build_store(store_config(tmp_path, "Compress|Posix"))).encoded_store() is None
+
+
+def test_compress_over_a_stage_without_encoded_payloads_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stacking the schema does not list yet (here Compress over a DRAM-only Cache) is checked through the
+    contract when the pipeline is built: the error names the stages below and the ones allowed there."""
+    monkeypatch.setattr(pipeline, "SUPPORTED_PIPELINES", ("Compress|Cache",))
+    cfg = store_config(tmp_path, "Posix").model_copy(update={"store_pipeline": "Compress|Cache"})
+    message = (
+        "store_pipeline 'Compress|Cache': the Compress stage stores encoded payloads in the stage below it, and "
+        "'Cache' there cannot hold them; allowed below Compress: 'Posix', 'Cache|Posix'"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_store(cfg)
+
+
+def test_compress_stacks_over_cache_over_posix_without_class_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_after: Closer
+) -> None:
+    """Compress|Cache|Posix (not a supported pipeline, but allowed by the contract): the Cache passes the encoded
+    payloads through to the Posix stage, uncached, and blocks round-trip bit-exact."""
+    monkeypatch.setattr(pipeline, "SUPPORTED_PIPELINES", ("Compress|Cache|Posix",))
+    cfg = store_config(tmp_path, "Cache|Compress|Posix").model_copy(update={"store_pipeline": "Compress|Cache|Posix"})
+    store = close_after(build_store(cfg))
+    assert isinstance(store, CompressStore) and isinstance(store.inner, CacheStore)
+    keys = make_keys(3, seed=31)
+    blocks = torch.randn(3, 2048, generator=torch.Generator().manual_seed(31)).to(torch.bfloat16).view(torch.uint8)
+    assert store.wait(store.dump(keys, blocks)).ok
+    assert store.inner.cached_keys() == []  # passed through, not cached
+    dst = poisoned(3, blocks.shape[1])
+    assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, blocks)
+    assert store.lookup(keys) == 3
 
 
 def test_build_each_call_is_a_new_pipeline(tmp_path: Path) -> None:

@@ -17,8 +17,7 @@ import torch
 
 from tests.helpers import needs_aio
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from tests.store.helpers import usable_store_modes
-from ucm.store import posix_uring
+from tests.store.helpers import Closer, usable_store_modes
 from ucm.store.base import Task, TaskResult
 from ucm.store.posix import (
     FILE_SUFFIX,
@@ -30,6 +29,9 @@ from ucm.store.posix import (
     PosixStore,
     block_file_path,
 )
+from ucm.store.posix import store as posix_store_module
+from ucm.store.posix import uring as posix_uring
+from ucm.store.posix.direct import round_up
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_NBYTES = [1, 1000, 4099]  # odd sizes: nothing assumes a power of two
@@ -68,9 +70,9 @@ def test_header_layout() -> None:
 
 
 @pytest.mark.parametrize("nbytes", BLOCK_NBYTES, ids=lambda n: f"nbytes{n}")
-def test_round_trip_two_dirs(tmp_path: Path, nbytes: int) -> None:
+def test_round_trip_two_dirs(tmp_path: Path, nbytes: int, close_after: Closer) -> None:
     d0, d1 = tmp_path / "a", tmp_path / "b"
-    store = PosixStore(f"{d0}:{d1}", io_threads=3)
+    store = close_after(PosixStore(f"{d0}:{d1}", io_threads=3))
     keys = make_keys(97, seed=1)
     src = make_blocks(97, nbytes, seed=2)
     result = store.wait(store.dump(keys, src))
@@ -86,21 +88,18 @@ def test_round_trip_two_dirs(tmp_path: Path, nbytes: int) -> None:
     dst = poisoned(97, nbytes)
     assert store.wait(store.load(keys, dst)).ok
     assert torch.equal(dst, src)
-    store.close()
 
 
-def test_list_of_dirs_equals_colon_string(tmp_path: Path) -> None:
+def test_list_of_dirs_equals_colon_string(tmp_path: Path, close_after: Closer) -> None:
     d0, d1 = str(tmp_path / "a"), str(tmp_path / "b")
     keys = make_keys(20, seed=3)
     src = make_blocks(20, 64, seed=4)
-    with_list = PosixStore([d0, d1])
+    with_list = close_after(PosixStore([d0, d1]))
     assert with_list.wait(with_list.dump(keys, src)).ok
-    with_string = PosixStore(f"{d0}:{d1}")
+    with_string = close_after(PosixStore(f"{d0}:{d1}"))
     dst = poisoned(20, 64)
     assert with_string.wait(with_string.load(keys, dst)).ok
     assert torch.equal(dst, src)
-    with_list.close()
-    with_string.close()
 
 
 def test_lookup_prefix_semantics(store: PosixStore) -> None:
@@ -288,8 +287,8 @@ def test_bad_io_threads_raises(tmp_path: Path) -> None:
         PosixStore(str(tmp_path), io_threads=0)
 
 
-def test_close_is_idempotent_and_final(tmp_path: Path) -> None:
-    store = PosixStore(str(tmp_path))
+def test_close_is_idempotent_and_final(tmp_path: Path, close_after: Closer) -> None:
+    store = close_after(PosixStore(str(tmp_path)))
     store.close()
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -305,7 +304,7 @@ def _make_unwritable(store: PosixStore, tmp_path: Path, monkeypatch: pytest.Monk
     root.chmod(0o755)
     regular = tmp_path / "regular_file"
     regular.write_bytes(b"x")
-    monkeypatch.setattr(store, "_dirs", [str(regular / "kv")])
+    monkeypatch.setattr(store._files, "dirs", [str(regular / "kv")])
 
 
 def test_unwritable_dir_dump_fails_with_one_warning(
@@ -331,8 +330,6 @@ def test_write_error_midway_removes_temp_file(
     """A full disk (ENOSPC) during the payload write: failed key, temp file removed, nothing visible."""
     import errno
 
-    import ucm.store.posix as posix
-
     real_write = os.write
     calls = {"n": 0}
 
@@ -342,24 +339,22 @@ def test_write_error_midway_removes_temp_file(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
-    monkeypatch.setattr(posix.os, "write", flaky_write)
+    monkeypatch.setattr(os, "write", flaky_write)
     keys = make_keys(1, seed=26)
     assert buffered_store.wait(buffered_store.dump(keys, make_blocks(1, 500, seed=27))).failed == {0}
-    monkeypatch.setattr(posix.os, "write", real_write)
+    monkeypatch.setattr(os, "write", real_write)
     assert all_files(tmp_path / "kv") == []
     assert buffered_store.lookup(keys) == 0
     assert any("ENOSPC" in r.getMessage() for r in ucm_log.records if r.levelno == logging.WARNING)
 
 
 def test_short_writes_are_completed(buffered_store: PosixStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ucm.store.posix as posix
-
     real_write = os.write
-    monkeypatch.setattr(posix.os, "write", lambda fd, data: real_write(fd, bytes(data)[:7]))
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:7]))
     keys = make_keys(3, seed=28)
     src = make_blocks(3, 100, seed=29)
     assert buffered_store.wait(buffered_store.dump(keys, src)).ok
-    monkeypatch.setattr(posix.os, "write", real_write)
+    monkeypatch.setattr(os, "write", real_write)
     dst = poisoned(3, 100)
     assert buffered_store.wait(buffered_store.load(keys, dst)).ok
     assert torch.equal(dst, src)
@@ -393,9 +388,9 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def test_second_process_reads_what_first_wrote(tmp_path: Path) -> None:
+def test_second_process_reads_what_first_wrote(tmp_path: Path, close_after: Closer) -> None:
     dirs = f"{tmp_path / 'a'}:{tmp_path / 'b'}"
-    store = PosixStore(dirs)
+    store = close_after(PosixStore(dirs))
     keys = make_keys(40, seed=30)
     src = make_blocks(40, 999, seed=31)
     assert store.wait(store.dump(keys, src)).ok
@@ -406,7 +401,7 @@ def test_second_process_reads_what_first_wrote(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-def test_concurrent_writer_processes(tmp_path: Path) -> None:
+def test_concurrent_writer_processes(tmp_path: Path, close_after: Closer) -> None:
     """Two processes dump the same keys at once: every block ends up whole, no temp files remain."""
     dirs = str(tmp_path / "kv")
     procs = [
@@ -416,17 +411,16 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
-    store = PosixStore(dirs)
+    store = close_after(PosixStore(dirs))
     keys = make_keys(200, seed=32)
     dst = poisoned(200, 513)
     assert store.wait(store.load(keys, dst)).ok
     assert torch.equal(dst, make_blocks(200, 513, seed=33))
     assert len(all_files(tmp_path / "kv")) == 200
-    store.close()
 
 
 @pytest.mark.parametrize("nbytes", [1, 4052, 4053, 8192, 100_000])
-def test_files_identical_across_engines_and_io_modes(tmp_path: Path, nbytes: int) -> None:
+def test_files_identical_across_engines_and_io_modes(tmp_path: Path, nbytes: int, close_after: Closer) -> None:
     """Every engine and I/O mode writes the same bytes (O_DIRECT writes whole 4 KiB units and truncates the padding),
     and every mode reads every other mode's files (the modes that can start here: see ``usable_store_modes``)."""
     keys = make_keys(3, seed=50)
@@ -434,7 +428,7 @@ def test_files_identical_across_engines_and_io_modes(tmp_path: Path, nbytes: int
     modes = usable_store_modes()
     dirs = {mode: tmp_path / f"{mode[0]}-{int(mode[1])}" for mode in modes}
     for (io_engine, io_direct), d in dirs.items():
-        writer = PosixStore(str(d), io_engine=io_engine, io_direct=io_direct)
+        writer = close_after(PosixStore(str(d), io_engine=io_engine, io_direct=io_direct))
         assert writer.wait(writer.dump(keys, src)).ok
         writer.close()
     reference = dirs[("psync", False)]
@@ -444,7 +438,7 @@ def test_files_identical_across_engines_and_io_modes(tmp_path: Path, nbytes: int
             assert (d / name).read_bytes() == (reference / name).read_bytes()
     for io_engine, io_direct in modes:
         for d in dirs.values():
-            reader = PosixStore(str(d), io_engine=io_engine, io_direct=io_direct)
+            reader = close_after(PosixStore(str(d), io_engine=io_engine, io_direct=io_direct))
             dst = poisoned(3, nbytes)
             assert reader.wait(reader.load(keys, dst)).ok and torch.equal(dst, src), (io_engine, io_direct, d.name)
             reader.close()
@@ -457,8 +451,6 @@ def test_direct_io_refused_names_the_directory(tmp_path: Path, monkeypatch: pyte
     machine (ext4, tmpfs on Linux 6.18) accepts O_DIRECT."""
     import errno
 
-    from ucm.store import posix
-
     real_open = os.open
 
     def no_direct(path, flags, *args, **kwargs):
@@ -466,7 +458,7 @@ def test_direct_io_refused_names_the_directory(tmp_path: Path, monkeypatch: pyte
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(posix.os, "open", no_direct)
+    monkeypatch.setattr(os, "open", no_direct)
     target = tmp_path / "kv"
     before = set(threading.enumerate())
     with pytest.raises(ValueError, match=r"refuses O_DIRECT I/O \(io_direct: true\): Invalid argument"):
@@ -501,8 +493,6 @@ def test_aio_refused_when_the_binding_crashes(tmp_path: Path, monkeypatch: pytes
     """A binding that kills its process (the liburing wheel's AVX-512 code on a CPU without it dies of SIGILL) is
     found in a child process and refused at start with the signal named, never run in the serving process. Injected:
     the child kills itself with SIGILL."""
-    from ucm.store import posix_uring
-
     monkeypatch.setattr(posix_uring, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
     posix_uring._binding_crash.cache_clear()
     try:
@@ -515,9 +505,7 @@ def test_aio_refused_when_the_binding_crashes(tmp_path: Path, monkeypatch: pytes
 def test_aio_starts_or_says_why_not(tmp_path: Path) -> None:
     """On this machine, unmocked: an aio store either starts and moves a block, or start-up fails with the reason
     that ``aio_unusable_reason`` (what the ``needs_aio`` tests are skipped with) gives."""
-    from ucm.store.posix_uring import aio_unusable_reason
-
-    reason = aio_unusable_reason()
+    reason = posix_uring.aio_unusable_reason()
     if reason is not None:
         assert reason.startswith("posix_io_engine: aio") and reason.endswith("allowed: psync")
         with pytest.raises(ValueError) as info:
@@ -566,11 +554,13 @@ def test_aio_many_blocks_in_flight(aio_store: PosixStore, monkeypatch: pytest.Mo
 
     keys = make_keys(256, seed=60)
     src = make_blocks(256, 12_289, seed=61)
-    monkeypatch.setattr(aio_store, "_dump_complete", held(aio_store._dump_complete))
+    engine = aio_store._aio
+    assert engine is not None
+    monkeypatch.setattr(engine, "dump_complete", held(engine.dump_complete))
     assert aio_store.wait(aio_store.dump(keys, src)) == TaskResult(256)
     assert peak["n"] == depth
     peak["n"] = 0
-    monkeypatch.setattr(aio_store, "_load_complete", held(aio_store._load_complete))
+    monkeypatch.setattr(engine, "load_complete", held(engine.load_complete))
     dst = poisoned(256, 12_289)
     assert aio_store.wait(aio_store.load(keys, dst)) == TaskResult(256)
     assert peak["n"] == depth
@@ -612,14 +602,18 @@ def test_write_past_file_size_limit_fails(store: PosixStore, tmp_path: Path, lim
 
 @needs_aio
 @pytest.mark.parametrize("io_direct", [False, True], ids=["aio-buffered", "aio-direct"])
-def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_direct: bool) -> None:
+def test_aio_close_with_operations_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_direct: bool, close_after: Closer
+) -> None:
     """close() right after a dump of 256 blocks: the first completion is held until close has begun, so operations
     are in flight when it does; close drains them (every key stored, every O_DIRECT buffer given back), stops the
     reaper and exits the ring."""
-    store = PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=io_direct)
+    store = close_after(PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=io_direct))
     uring = store._uring
     assert uring is not None
-    real = store._dump_complete
+    engine = store._aio
+    assert engine is not None
+    real = engine.dump_complete
     in_flight_at_close = {"n": -1}
 
     def complete(*args):
@@ -634,7 +628,7 @@ def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest
             in_flight_at_close["n"] = len(uring._ops) + 1  # this one included
         return real(*args)
 
-    monkeypatch.setattr(store, "_dump_complete", complete)
+    monkeypatch.setattr(engine, "dump_complete", complete)
     keys = make_keys(256, seed=64)
     src = make_blocks(256, 5_000, seed=65)
     task = store.dump(keys, src)
@@ -646,19 +640,19 @@ def test_aio_close_with_operations_in_flight(tmp_path: Path, monkeypatch: pytest
     if io_direct:
         assert store._direct_pool is not None and store._direct_pool.held_bytes == 0
     assert {p.stat().st_size for p in all_files(tmp_path / "kv")} == {HEADER_NBYTES + 5_000}
-    reader = PosixStore(str(tmp_path / "kv"))
+    reader = close_after(PosixStore(str(tmp_path / "kv")))
     dst = poisoned(256, 5_000)
     assert reader.wait(reader.load(keys, dst)).ok and torch.equal(dst, src)
     reader.close()
 
 
 @needs_aio
-def test_aio_direct_opens_block_files_with_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_aio_direct_opens_block_files_with_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_after: Closer
+) -> None:
     """aio + io_direct: the temp file written and the block file read are opened with O_DIRECT (the io_uring
     operations then move aligned buffers: a misaligned one fails with EINVAL, which the round trip rules out)."""
-    from ucm.store import posix
-
-    store = PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=True)
+    store = close_after(PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=True))
     real_open = os.open
     opened: list[tuple[str, int]] = []
 
@@ -666,13 +660,13 @@ def test_aio_direct_opens_block_files_with_o_direct(tmp_path: Path, monkeypatch:
         opened.append((os.fspath(path), flags))
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(posix.os, "open", recording_open)
+    monkeypatch.setattr(os, "open", recording_open)
     keys = make_keys(4, seed=70)
     src = make_blocks(4, 4099, seed=71)
     assert store.wait(store.dump(keys, src)).ok
     dst = poisoned(4, 4099)
     assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
-    monkeypatch.setattr(posix.os, "open", real_open)
+    monkeypatch.setattr(os, "open", real_open)
     store.close()
     temps = [flags for path, flags in opened if path.endswith(TMP_SUFFIX)]
     blocks = [flags for path, flags in opened if path.endswith(FILE_SUFFIX)]
@@ -682,15 +676,15 @@ def test_aio_direct_opens_block_files_with_o_direct(tmp_path: Path, monkeypatch:
 
 @needs_aio
 @pytest.mark.parametrize("nbytes", [4099, 100_000], ids=["nbytes4099", "nbytes100000_over_the_bound"])
-def test_aio_direct_buffers_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+def test_aio_direct_buffers_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nbytes: int, close_after: Closer
+) -> None:
     """The aligned buffers held by operations in flight stay within AIO_DIRECT_BUFFER_BYTES (here 3 buffers of
     4099 + 44 bytes rounded up to 8 KiB; a block larger than the bound moves alone) and all come back; 200 blocks
     still round-trip."""
-    from ucm.store import posix
-
     bound = 3 * 8192
-    monkeypatch.setattr(posix, "AIO_DIRECT_BUFFER_BYTES", bound)
-    store = PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=True, io_threads=8)
+    monkeypatch.setattr(posix_store_module, "AIO_DIRECT_BUFFER_BYTES", bound)
+    store = close_after(PosixStore(str(tmp_path / "kv"), io_engine="aio", io_direct=True, io_threads=8))
     pool = store._direct_pool
     assert pool is not None
     real_acquire = pool.acquire
@@ -709,14 +703,13 @@ def test_aio_direct_buffers_are_bounded(tmp_path: Path, monkeypatch: pytest.Monk
     dst = poisoned(200, nbytes)
     assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
     assert peak["buffers"] == 400
-    assert 0 < peak["bytes"] <= max(bound, posix._round_up(HEADER_NBYTES + nbytes))
+    assert 0 < peak["bytes"] <= max(bound, round_up(HEADER_NBYTES + nbytes))
     assert pool.held_bytes == 0
-    store.close()
 
 
 @needs_aio
 @pytest.mark.parametrize("io_direct", [False, True], ids=["aio-buffered", "aio-direct"])
-def test_pipeline_builds_aio_store(tmp_path: Path, io_direct: bool) -> None:
+def test_pipeline_builds_aio_store(tmp_path: Path, io_direct: bool, close_after: Closer) -> None:
     from ucm.config import config_from_extra_config
     from ucm.store.pipeline import build_store
 
@@ -732,7 +725,7 @@ def test_pipeline_builds_aio_store(tmp_path: Path, io_direct: bool) -> None:
             }
         ]
     }
-    store = build_store(config_from_extra_config(extra).store)
+    store = close_after(build_store(config_from_extra_config(extra).store))
     assert isinstance(store, PosixStore) and store._uring is not None
     assert (store._direct_pool is not None) == io_direct
     keys = make_keys(3, seed=66)
@@ -740,4 +733,3 @@ def test_pipeline_builds_aio_store(tmp_path: Path, io_direct: bool) -> None:
     assert store.wait(store.dump(keys, src)).ok
     dst = poisoned(3, 4099)
     assert store.wait(store.load(keys, dst)).ok and torch.equal(dst, src)
-    store.close()

@@ -23,11 +23,11 @@ import torch
 from tests.store.blocks import make_blocks, make_keys, poisoned
 from tests.store.helpers import STORE_MODE_PARAMS
 from tests.store.test_compress import GEOMETRY, NAMESPACE_INFO, TAG, kv_blocks, stored_codec
-from ucm.store import posix as posix_module
 from ucm.store.base import ShardProgress
 from ucm.store.compress import CompressStore
 from ucm.store.kvfold import CONTAINER, CONTAINER_VERSION, encode_block
 from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, HEADER_NBYTES, PosixStore
+from ucm.store.posix import store as posix_module
 
 NBYTES = GEOMETRY.block_nbytes  # 12 KiB
 SHARDS = GEOMETRY.num_layers  # one shard per layer, as the layerwise connector loads

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from ucm.store import posix as posix_module
+from tests.store.helpers import Closer
 from ucm.store.base import ShardProgress, TaskResult
 from ucm.store.cache import CacheStore
 from ucm.store.compress import CompressStore
 from ucm.store.posix import HEADER_NBYTES, PosixStore
+from ucm.store.posix import store as posix_module
 
 SHARDS = 6
 SHARD_NBYTES = 4099  # odd: shard ranges straddle O_DIRECT's 4 KiB units
@@ -157,9 +158,9 @@ def test_bad_shard_arguments(store: PosixStore) -> None:
     assert store.wait(task).ok
 
 
-def test_cache_serves_hits_whole_and_reads_misses_through(tmp_path: Path, monkeypatch) -> None:
+def test_cache_serves_hits_whole_and_reads_misses_through(tmp_path: Path, monkeypatch, close_after: Closer) -> None:
     posix = PosixStore(str(tmp_path / "kv"))
-    cache = CacheStore(posix, capacity_bytes=64 * NBYTES)
+    cache = close_after(CacheStore(posix, capacity_bytes=64 * NBYTES))
     keys = make_keys(6, seed=11)
     src = make_blocks(6, NBYTES, seed=12)
     assert posix.wait(posix.dump(keys, src)).ok  # on disk only
@@ -176,11 +177,10 @@ def test_cache_serves_hits_whole_and_reads_misses_through(tmp_path: Path, monkey
     assert torch.equal(dst[[0, 1, 2, 4, 5, 6]], src)
     # The misses read from disk were promoted into DRAM (the absent key was not).
     assert set(cache.cached_keys()) == set(keys)
-    cache.close()
 
 
-def test_cache_without_stage_below_fails_misses(tmp_path: Path) -> None:
-    cache = CacheStore(None, capacity_bytes=8 * NBYTES)
+def test_cache_without_stage_below_fails_misses(tmp_path: Path, close_after: Closer) -> None:
+    cache = close_after(CacheStore(None, capacity_bytes=8 * NBYTES))
     keys = make_keys(2, seed=13)
     src = make_blocks(1, NBYTES, seed=14)
     assert cache.wait(cache.dump(keys[:1], src)).ok
@@ -188,12 +188,11 @@ def test_cache_without_stage_below_fails_misses(tmp_path: Path) -> None:
     task = cache.load_sharded(keys, dst, SHARDS)
     task.wait_shard(SHARDS - 1)
     assert task.result().failed == {1} and torch.equal(dst[0], src[0])
-    cache.close()
 
 
-def test_stage_without_shard_reads_loads_whole_blocks(tmp_path: Path) -> None:
+def test_stage_without_shard_reads_loads_whole_blocks(tmp_path: Path, close_after: Closer) -> None:
     """Compress decodes whole blocks: the base class's load_sharded serves them, every shard ready at the end."""
-    store = CompressStore(PosixStore(str(tmp_path / "kv")))
+    store = close_after(CompressStore(PosixStore(str(tmp_path / "kv"))))
     keys = make_keys(3, seed=15)
     src = make_blocks(3, NBYTES, seed=16)
     assert store.wait(store.dump(keys, src)).ok
@@ -207,7 +206,6 @@ def test_stage_without_shard_reads_loads_whole_blocks(tmp_path: Path) -> None:
     task = store.load_sharded(keys, poisoned(3, NBYTES), SHARDS, progress)
     assert store.wait(task).ok
     assert all(progress.ready(s) for s in range(SHARDS))
-    store.close()
 
 
 def test_each_row_is_settled_as_soon_as_it_is_validated(store: PosixStore, monkeypatch) -> None:
@@ -245,11 +243,11 @@ def test_a_raising_on_row_hook_does_not_hang_the_load(store: PosixStore) -> None
     assert torch.equal(dst, src)
 
 
-def test_cache_caches_each_miss_as_soon_as_it_is_validated(tmp_path: Path, monkeypatch) -> None:
+def test_cache_caches_each_miss_as_soon_as_it_is_validated(tmp_path: Path, monkeypatch, close_after: Closer) -> None:
     """Read-through promotion runs row by row, while the stage below still reads the other rows, not all at the
     end; hits are settled before load_sharded returns."""
     posix = PosixStore(str(tmp_path / "kv"))
-    cache = CacheStore(posix, capacity_bytes=64 * NBYTES)
+    cache = close_after(CacheStore(posix, capacity_bytes=64 * NBYTES))
     keys = make_keys(4, seed=21)
     src = make_blocks(4, NBYTES, seed=22)
     assert posix.wait(posix.dump(keys, src)).ok
@@ -268,15 +266,13 @@ def test_cache_caches_each_miss_as_soon_as_it_is_validated(tmp_path: Path, monke
     assert set(cache.cached_keys()) == set(keys)
     out = poisoned(4, NBYTES)
     assert cache.wait(cache.load(keys, out)).ok and torch.equal(out, src)  # the promoted copies are the blocks
-    cache.close()
 
 
-def test_stage_without_shard_reads_settles_rows_at_the_end(tmp_path: Path) -> None:
-    store = CompressStore(PosixStore(str(tmp_path / "kv")))
+def test_stage_without_shard_reads_settles_rows_at_the_end(tmp_path: Path, close_after: Closer) -> None:
+    store = close_after(CompressStore(PosixStore(str(tmp_path / "kv"))))
     keys = make_keys(3, seed=23)
     src = make_blocks(3, NBYTES, seed=24)
     assert store.wait(store.dump(keys[:2], src[:2])).ok
     rows = _Rows()
     assert store.wait(store.load_sharded(keys, poisoned(3, NBYTES), SHARDS, on_row=rows)).failed == {2}
     assert sorted(rows.calls) == [(0, True), (1, True), (2, False)]
-    store.close()

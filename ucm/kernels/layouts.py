@@ -1,4 +1,5 @@
-"""KV cache layouts UCM moves data between, and the canonical block.
+"""KV cache layouts UCM moves data between, the canonical block, and the checks every op runs on paged caches, block
+ids and staging buffers (shared by all kernel packages).
 
 Canonical block (what a store holds, independent of the attention backend)::
 
@@ -102,6 +103,18 @@ def paged_shape(layout: KVLayout, cache: torch.Tensor) -> tuple[int, int, int, i
         nb, bs, d = cache.shape
         return nb, bs, 1, d
     raise ValueError(f"unknown KV layout {layout!r}; allowed: {[m.value for m in KVLayout]}")
+
+
+def paged_dims(cache: torch.Tensor, layout: KVLayout) -> tuple[int, int, int, int]:
+    """:func:`paged_shape` of a tensor already validated, without the checks (the kernels' hot path)."""
+    if layout in CPU_LAYOUTS:
+        nb, h, bs, two_d = cache.shape
+        return nb, bs, h, two_d // 2
+    if layout == KVLayout.FLASH_NHD:
+        _, nb, bs, h, d = cache.shape
+        return nb, bs, h, d
+    nb, bs, d = cache.shape
+    return nb, bs, 1, d
 
 
 def check_paged_caches(kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> tuple[int, int, int, int]:
@@ -234,3 +247,62 @@ def check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"block_ids must be in [0, {num_blocks}), got min {int(ids.min())} max {int(ids.max())}")
     return ids
+
+
+def alloc_or_check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """``out`` after checking it is a ``shape`` tensor of ``like``'s dtype and device whose shard dims (all but the
+    two leading ones) are contiguous, or a new contiguous one. The two leading dims may have any strides: e.g.
+    ``staging[:, l : l + 1]`` of a block-major buffer, to gather one layer into it.
+
+    Raises:
+        ValueError: ``out`` has another shape, dtype or device, or its shard dims are not contiguous.
+    """
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(
+            f"out must be {shape} {like.dtype} on {like.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out.numel() and not out[0, 0].is_contiguous():
+        raise ValueError(f"out's shard dims must be contiguous, got strides {tuple(out.stride())}")
+    return out
+
+
+def check_staging(
+    staging: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVLayout,
+    block_ids: torch.Tensor,
+    layer_major: bool,
+    name: str,
+) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """Validate a scatter of ``staging`` into blocks ``block_ids`` of ``kv_caches``; return the ids (int64, on the
+    caches' device) and the paged shape.
+
+    ``staging`` must be ``[n, num_layers, *shard]`` (``layer_major``: ``[num_layers, n, *shard]``) in the caches'
+    dtype and device with contiguous shard dims (``name`` names it in messages).
+
+    Raises:
+        TypeError: ``block_ids`` is not an int32/int64 tensor.
+        ValueError: bad shapes, dtypes, devices or layout; block ids out of range or repeated.
+    """
+    shape = check_paged_caches(kv_caches, layout)
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    ids = check_block_ids(block_ids, num_blocks)
+    if ids.numel() != torch.unique(ids).numel():
+        raise ValueError(f"block_ids must be distinct for scatter, got {ids.tolist()}")
+    shard = canonical_shard_shape(block_size, num_kv_heads, head_dim, layout)
+    lead = (len(kv_caches), ids.numel()) if layer_major else (ids.numel(), len(kv_caches))
+    want = (*lead, *shard)
+    ref = kv_caches[0]
+    if tuple(staging.shape) != want or staging.dtype != ref.dtype or staging.device != ref.device:
+        raise ValueError(
+            f"{name} must be {want} {ref.dtype} on {ref.device}, "
+            f"got {tuple(staging.shape)} {staging.dtype} on {staging.device}"
+        )
+    return ids.to(ref.device), shape
+
+
+def shard_contiguous(t: torch.Tensor) -> bool:
+    """The dims after the first two are C-contiguous (first two strides are free)."""
+    return t[0, 0].is_contiguous() if t.shape[0] and t.shape[1] else True

@@ -1,6 +1,5 @@
 """paged_keys: one layer's keys read in place from vLLM's paged KV cache (a strided view, no copy), and the helpers
-every reader of such keys uses (GSA: ``ucm.kernels.block_summaries``, ``ucm.kernels.sparq_scores``,
-``ucm.sparse.gsa``).
+every reader of such keys uses (GSA: ``ucm.kernels.key_bounds``, ``ucm.kernels.sparq``, ``ucm.sparse.gsa``).
 
 Paged keys come in two forms, both views of the cache's memory with any strides:
 

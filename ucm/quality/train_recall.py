@@ -1,14 +1,14 @@
 """Train UCM's small recall model: a 2-layer Llama that solves synthetic needle retrieval (see ``recall.py``).
 
-Run (the shipped ``ucm/quality/assets/recall-llama`` came from exactly this command: 400 steps, 96 s of CPU time,
-6.5 min wall at ``nice -n 10`` on 2 cores shared with other jobs; seeded, one torch thread)::
+Run (the shipped ``ucm/quality/assets/recall-llama`` came from exactly this command, seeded, one torch thread; its
+training time is in benchmarks/RESULTS.md, "Quality harness")::
 
     nice -n 10 python -m ucm.quality.train_recall --out ucm/quality/assets/recall-llama
 
 Default task: one key/value pair in the haystack (``--num-pairs 1``: passkey-style needle retrieval). With 8 pairs
-(associative recall with distractors) the same model and schedule stayed at chance (12-19% first-query accuracy)
-for 1800 steps at length 64: the induction circuit that multi-pair recall needs did not form within this machine's
-budget, so it is an option, not the default.
+(associative recall with distractors) the same model and schedule stayed at chance (benchmarks/RESULTS.md,
+"Quality harness"): the induction circuit that multi-pair recall needs did not form within a CPU training budget, so
+it is an option, not the default.
 
 The model is a plain ``transformers.LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU, tied embeddings) saved as float32
 safetensors with a WordLevel tokenizer, so vLLM serves it unchanged. Training: AdamW, linear warm-up then constant
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--threads",
         type=int,
         default=1,
-        help="torch threads (1: on a shared machine, 2 OpenMP threads spin-wait for each other; 6x slower seen)",
+        help="torch threads (1: on a shared machine, OpenMP threads spin-waiting for each other slow training down)",
     )
     args = p.parse_args(argv)
     record = train(args)

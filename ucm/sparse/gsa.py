@@ -9,19 +9,19 @@ Summaries (``key_bounds``). Per KV block and KV head, the element-wise min and m
 as in Quest (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"). Chosen over
 the mean key because it gives a true upper bound of ``q . k`` for every key in the block (a block with one strongly
 matching key, a "needle", cannot hide behind its average), costs two vectors per block and head, and is exact to
-update (min and max do not round). Computed by ``ucm.kernels.block_summaries``.
+update (min and max do not round). Computed by ``ucm.kernels.key_bounds.block_summaries``.
 
 Selection at decode, per request and layer (one block set for all heads of the layer, since a paged-attention
 kernel takes one block table per request):
 1. ``ub[j, w]``: Quest's upper bound of ``q_j . k`` over block ``w``, for every query head ``j`` against its KV
-   head's bounds (grouped-query heads share them) -- ``ucm.kernels.block_scores``;
+   head's bounds (grouped-query heads share them) -- ``ucm.kernels.key_bounds.block_scores``;
 2. per head, ``p[j, :] = softmax(scale * ub[j, :])`` over the request's blocks: an estimate of the share of head
    ``j``'s attention each block would get; the block score is ``sum_j p[j, w]``, the estimated attention mass over
    all heads of the layer (normalizing per head first keeps one head with large logits from deciding alone);
 3. keep ``k = clamp(ceil(sparse_ratio * n), init_window_sz + local_window_sz, n)`` blocks: the first
    ``init_window_sz`` (attention sinks), the last ``local_window_sz`` (recent context; the last holds the current
    token), and the best-scoring others. Requests with fewer than ``min_blocks`` blocks stay dense, as does prefill
-   (the wrapper only hands one-query rows to :meth:`GSA.select`).
+   (the wrapper only hands one-query rows to :meth:`GSA.select`). Steps 2-3 are ``ucm.sparse.selection``.
 
 Scoring ``block_scoring: attention`` replaces steps 1-2 by measured attention: the exact attention mass each
 block got (softmax over all the request's keys, summed over the layer's query heads and over the queries), from
@@ -41,16 +41,16 @@ Scoring ``block_scoring: sparq`` (the default) replaces steps 1-2 by the current
 approximated at every step from ``score_channels`` of the ``head_dim`` key components per KV head (those where the
 query heads sharing the KV head have the largest ``|q|``), with the softmax temperature corrected for the dropped
 components: steps 1-2 of SparQ Attention (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference"),
-summed per block (:func:`sparq_scores`; the kernels are ``ucm.kernels.sparq_scores``). Nothing is precomputed
+summed per block (:func:`sparq_scores`; the kernels are ``ucm.kernels.sparq``). Nothing is precomputed
 (:class:`KeyChannels`). Why: on the harness's multi-document questions, only a ranking from each step's own query
 matched dense at 70% of blocks skipped (at 32-token blocks; at 128-token blocks it matched the exact-mass oracle,
 and key bounds lost most answers); scores reused for 4 or more steps, or taken from the prompt's last queries, lost
 answers (``benchmarks/sparse_policies.py``). Cost: every step and layer reads ``score_channels / head_dim`` of every
 key of the request (on top of the kept blocks' full K and V). On CPU (bf16/fp32 keys in vLLM's CPU layouts, CPU_ATTN
-and CPU_ATTN_AMX: ``ucm.kernels.sparq_scores.numba_applies``) the whole selection of a step is three numba calls
-(:func:`sparq_select`: ``ucm.sparse._numba_select``); elsewhere, or with ``impl="torch"``, torch ops
-(:func:`sparq_scores`, :func:`aggregate_scores`, :func:`keep_mask`, ``compact_block_table``), which are also the fast
-path's test oracles.
+and CPU_ATTN_AMX: ``ucm.kernels.sparq.cpu_applies``) the whole selection of a step is three numba calls
+(:func:`sparq_select`: the CPU paths of ``ucm.kernels.sparq`` and ``ucm.sparse.selection``); elsewhere, or with
+``impl="torch"``, torch ops (:func:`sparq_scores`, then ``ucm.sparse.selection``'s ``aggregate_scores``,
+``keep_mask`` and ``compact_block_table``), which are also the fast path's test oracles.
 
 Keys: every function takes the layer's paged keys in either form of ``ucm.kernels.paged_keys`` (plain ``[num_blocks,
 num_kv_heads, block_size, head_dim]``, or tiled for CPU_ATTN_AMX) and reads them through its helpers.
@@ -64,27 +64,23 @@ import numpy as np
 import torch
 
 from ucm.config import GSAConfig
-from ucm.kernels.block_scores import block_scores, block_scores_reference
-from ucm.kernels.block_summaries import block_summaries
+from ucm.kernels.key_bounds import block_scores, block_summaries
 from ucm.kernels.layouts import KVLayout
 from ucm.kernels.paged_keys import block_keys, key_geometry, key_tiling, paged_keys
-from ucm.kernels.sparq_scores import (
-    key_words,
-    numba_applies,
-    numba_tile_blocks,
-    raise_bad_block_ids,
-    sparq_block_lse,
-    sparq_block_lse_reference,
-)
+from ucm.kernels.sparq import cpu_applies, key_words, sparq_block_lse, sparq_query
+from ucm.kernels.sparq.cpu import raise_bad_block_ids, sparq_lse, tile_blocks
+from ucm.kernels.utils import IMPLS, Impl
 from ucm.sparse.base import BlockSummaries, Selection, SparseMethod, compact_block_table
+from ucm.sparse.selection import aggregate_scores, keep_blocks, keep_mask
+from ucm.sparse.selection.cpu import keep_blocks_numpy
 
 
 class KeyBounds(BlockSummaries):
     """Per-block key bounds of one layer: ``kmin``/``kmax`` float32 ``[num_blocks, num_kv_heads, head_dim]``."""
 
-    def __init__(self, num_blocks: int, num_kv_heads: int, head_dim: int, device: torch.device, impl: str) -> None:
+    def __init__(self, num_blocks: int, num_kv_heads: int, head_dim: int, device: torch.device, impl: Impl) -> None:
         super().__init__(num_blocks, device)
-        self.impl = impl
+        self.impl: Impl = impl
         self.kmin = torch.zeros((num_blocks, num_kv_heads, head_dim), dtype=torch.float32, device=device)
         self.kmax = torch.zeros_like(self.kmin)
 
@@ -142,7 +138,7 @@ class KeyChannels(BlockSummaries):
         """Nothing to invalidate: every step reads the keys themselves."""
 
     def key_words(self, keys: torch.Tensor) -> tuple[np.ndarray, np.uint32]:
-        """``ucm.kernels.sparq_scores.key_words(keys)``, kept while ``keys`` is the same view of the same memory
+        """``ucm.kernels.sparq.key_words(keys)``, kept while ``keys`` is the same view of the same memory
         (the layer's paged cache: one per engine)."""
         ident = (keys.data_ptr(), id(keys.dtype), tuple(keys.shape), tuple(keys.stride()))
         if self._words is None or self._words[0] != ident:
@@ -179,35 +175,6 @@ def attention_mass(
     return mass.view(n, bs).sum(dim=1)
 
 
-def sparq_query(
-    query: torch.Tensor, num_kv_heads: int, channels: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1 of SparQ Attention and its temperature (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM
-    Inference"), with the components shared by the query heads of one KV head (so each KV head's keys are read
-    once): per row and KV head, the ``channels`` components of largest ``|q|`` summed over the KV head's query
-    heads, and each query head's values there times ``scale / sqrt(|q_r|_1 / |q|_1)`` (the softmax temperature
-    corrected for the dropped components, as in the paper).
-
-    Args:
-        query: ``[R, num_heads, head_dim]`` one (post-RoPE) decode query per row, any float dtype.
-        num_kv_heads: KV heads (``num_heads`` is a multiple of it); channels: components kept, clamped to
-            ``[1, head_dim]``; scale: the attention's softmax scale.
-
-    Returns:
-        ``(q_r, idx)``: float32 ``[R, num_heads, C]`` and int64 ``[R, num_kv_heads, C]``, ``C = min(channels,
-        head_dim)``: the inputs of :func:`ucm.kernels.sparq_scores.sparq_block_lse`.
-    """
-    r, hq, d = query.shape
-    group = hq // num_kv_heads
-    q = query.float().view(r, num_kv_heads, group, d)
-    c = max(1, min(channels, d))
-    idx = q.abs().sum(2).topk(c, dim=-1).indices  # [R, KVH, C]
-    q_r = q.gather(3, idx[:, :, None, :].expand(-1, -1, group, -1))  # [R, KVH, group, C]
-    share = q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(1e-30)  # [R, KVH, group]: the |q| the components keep
-    q_r = q_r * (scale / share.clamp_min(1e-30).sqrt())[..., None]
-    return q_r.reshape(r, hq, c), idx
-
-
 def sparq_scores(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -215,13 +182,13 @@ def sparq_scores(
     seq_lens: torch.Tensor,
     scale: float,
     channels: int,
-    impl: str = "auto",
+    impl: Impl = "auto",
     *,
     per_head: bool = False,
 ) -> torch.Tensor:
     """Approximate attention mass each block gets from each row's decode query, float32 ``[R, W]`` (``-inf`` past
     a row's blocks), reading only ``channels`` of the ``head_dim`` key components per KV head (steps 1-2 of SparQ
-    Attention: :func:`sparq_query`, then :func:`ucm.kernels.sparq_scores.sparq_block_lse`): per query head, the
+    Attention: ``ucm.kernels.sparq``'s ``sparq_query`` (torch path), then ``sparq_block_lse``): per query head, the
     softmax over the request's ``seq_len`` keys, summed over each block's tokens and over the query heads.
 
     Args:
@@ -229,18 +196,16 @@ def sparq_scores(
         keys: paged keys, plain or tiled (``ucm.kernels.paged_keys``).
         block_table: int ``[R, W]`` the requests' blocks in token order; seq_lens: int ``[R]`` tokens per row.
         scale: the attention's softmax scale; channels: key components read per KV head (``head_dim``: exact).
-        impl: ``"auto"``, ``"triton"``, ``"numba"``, ``"torch"`` or ``"reference"`` (the kernel's test oracle).
+        impl: ``sparq_block_lse``'s: ``"auto"``, ``"triton"``, ``"cpu"``, ``"torch"`` or ``"reference"`` (the
+            kernel's test oracle).
         per_head: return the per-head scores before the sum instead, float32 ``[R, num_heads, W]``: each block's
             log-sum-exp of the head's logits (the log of its mass up to a per-head constant).
 
     Raises:
         ValueError: bad shapes, dtypes or devices, or an unknown ``impl`` (from ``sparq_block_lse``).
     """
-    q_r, idx = sparq_query(query, key_geometry(keys)[1], channels, scale)
-    if impl == "reference":
-        lse = sparq_block_lse_reference(q_r, idx, keys, block_table, seq_lens)
-    else:
-        lse = sparq_block_lse(q_r, idx, keys, block_table, seq_lens, impl=impl)
+    q_r, idx = sparq_query(query, key_geometry(keys)[1], channels, scale, impl="torch")
+    lse = sparq_block_lse(q_r, idx, keys, block_table, seq_lens, impl=impl)
     return lse if per_head else aggregate_scores(lse, 1.0)  # softmax over blocks of the per-block log-sum-exp
 
 
@@ -261,100 +226,6 @@ def _drop_entries_of(summaries: AttentionMass, block_ids: torch.Tensor, first: i
             del summaries.entries[int(b)]
 
 
-def kept_blocks(num_blocks: torch.Tensor, cfg: GSAConfig) -> torch.Tensor:
-    """Blocks kept per row (int64 ``[R]``) for rows of ``num_blocks`` blocks: all below ``min_blocks``, else
-    ``clamp(ceil(sparse_ratio * n), init_window_sz + local_window_sz, n)``."""
-    n = num_blocks.long()
-    # ceil with a small slack so that 0.3 * 10 (= 3.0000000000000004 in binary) keeps 3 blocks, not 4.
-    budget = torch.ceil(n.double() * cfg.sparse_ratio - 1e-9).long()
-    k = torch.minimum(budget.clamp(min=cfg.init_window_sz + cfg.local_window_sz), n)
-    return torch.where(n < cfg.min_blocks, n, k)
-
-
-def aggregate_scores(ub: torch.Tensor, scale: float) -> torch.Tensor:
-    """Block scores float32 ``[R, W]`` from per-head bounds ``ub`` ``[R, num_heads, W]`` (``-inf`` = no block):
-    the per-head softmax over blocks of ``scale * ub``, summed over heads; ``-inf`` where ``ub`` is ``-inf``."""
-    valid = torch.isfinite(ub[:, 0])  # [R, W]
-    p = torch.softmax(ub * scale, dim=-1)  # rows with no block at all give NaN, masked below
-    return torch.where(valid, p.sum(dim=1), float("-inf"))
-
-
-def keep_mask(scores: torch.Tensor, num_blocks: torch.Tensor, cfg: GSAConfig) -> torch.Tensor:
-    """Bool ``[R, W]``: the blocks GSA keeps given block scores ``[R, W]`` (see the module doc, step 3)."""
-    r, w = scores.shape
-    n = num_blocks.long()
-    k = kept_blocks(n, cfg)
-    cols = torch.arange(w, device=scores.device)[None, :]
-    forced = (cols < cfg.init_window_sz) | (cols >= (n - cfg.local_window_sz)[:, None])
-    inside = cols < n[:, None]
-    ranked = torch.where(forced, float("inf"), scores.float()).masked_fill(~inside, float("-inf"))
-    # Rank every column (stable: ties go to the earlier block), keep the top k of each row.
-    order = torch.sort(-ranked, dim=1, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, cols.expand(r, w).contiguous())
-    return (rank < k[:, None]) & inside
-
-
-IMPLS = ("auto", "triton", "numba", "torch", "reference")
-
-
-def _keep_blocks(
-    head_scores: np.ndarray,
-    score_row: np.ndarray,
-    temperature: float,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    cfg: GSAConfig,
-) -> Selection:
-    """``ucm.sparse._numba_select.keep_blocks`` on numpy scores (``[S, HQ, W]``, rows picked by ``score_row``)."""
-    from ucm.sparse import _numba_select  # numba is slow to import: only when the CPU path first runs
-
-    table = torch.empty_like(block_table)
-    counts = torch.empty((3, block_table.shape[0]), dtype=torch.int64)  # lengths, kept, num_blocks
-    _numba_select.keep_blocks(
-        head_scores,
-        score_row,
-        float(temperature),
-        block_table.contiguous().numpy(),
-        seq_lens.long().numpy(),
-        block_size,
-        cfg.sparse_ratio,
-        cfg.init_window_sz,
-        cfg.local_window_sz,
-        cfg.min_blocks,
-        table.numpy(),
-        counts[0].numpy(),
-        counts[1].numpy(),
-        counts[2].numpy(),
-    )
-    return Selection(block_table=table, seq_lens=counts[0].to(seq_lens.dtype), kept=counts[1], num_blocks=counts[2])
-
-
-def keep_blocks(
-    head_scores: torch.Tensor,
-    temperature: float,
-    rows: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    cfg: GSAConfig,
-) -> Selection:
-    """GSA's selection from per-head scores in one numba call (CPU; ``ucm.sparse._numba_select``): the same as
-    ``compact_block_table`` over ``keep_mask(aggregate_scores(head_scores, temperature))`` for ``rows`` (the
-    others keep every block), up to fp32 rounding of the softmax.
-
-    Args:
-        head_scores: float32 ``[len(rows), num_heads, W]`` log-domain scores of the selecting rows' blocks.
-        temperature: multiplies ``head_scores`` before the per-head softmax over blocks.
-        rows: int64 ``[S]`` the selecting rows; block_table: int ``[R, W]``; seq_lens: int ``[R]``.
-        block_size: tokens per block; cfg: GSA's config.
-    """
-    score_row = torch.full((block_table.shape[0],), -1, dtype=torch.int64)
-    score_row[rows] = torch.arange(rows.numel())
-    head = head_scores.float().contiguous().numpy()
-    return _keep_blocks(head, score_row.numpy(), temperature, block_table, seq_lens, block_size, cfg)
-
-
 def sparq_select(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -365,25 +236,23 @@ def sparq_select(
     words: tuple[np.ndarray, np.uint32] | None = None,
 ) -> Selection:
     """GSA's whole ``block_scoring: sparq`` selection as numba calls (CPU, bf16/fp32 keys in vLLM's CPU layouts:
-    ``ucm.kernels.sparq_scores.numba_applies``): the per-head scores of :func:`sparq_scores` then :func:`keep_blocks`
-    for the rows of at least ``min_blocks`` blocks (the others keep every block). Same blocks as the torch path up
-    to fp32 rounding.
+    ``ucm.kernels.sparq.cpu_applies``): the per-head scores of :func:`sparq_scores` (``ucm.kernels.sparq.cpu``'s
+    ``sparq_lse``) then ``ucm.sparse.selection``'s ``keep_blocks`` (CPU path) for the rows of at least
+    ``min_blocks`` blocks (the others keep every block). Same blocks as the torch path up to fp32 rounding.
 
     Args:
         query: ``[R, num_heads, head_dim]`` decode queries (any float dtype); keys: paged keys as in
             :func:`sparq_scores`; block_table: int ``[R, W]``; seq_lens: int ``[R]``; scale: softmax scale;
-            cfg: GSA's config; words: ``ucm.kernels.sparq_scores.key_words(keys)`` if the caller keeps it.
+            cfg: GSA's config; words: ``ucm.kernels.sparq.key_words(keys)`` if the caller keeps it.
 
     Raises:
         ValueError: a selecting row names a block outside the cache.
     """
-    from ucm.sparse import _numba_select  # numba is slow to import: only when the CPU path first runs
-
     nb, h, bs, _ = key_geometry(keys)
     strides, tile_tokens, tile_dims = key_tiling(keys)
     key_storage, shift = key_words(keys) if words is None else words
     query_np, table_np, lens_np = query.float().contiguous().numpy(), block_table.contiguous().numpy(), seq_lens.numpy()
-    status, lse, score_row = _numba_select.sparq_lse(
+    status, lse, score_row = sparq_lse(
         query_np,
         h,
         cfg.score_channels,
@@ -394,7 +263,7 @@ def sparq_select(
         tile_tokens,
         tile_dims,
         nb,
-        numba_tile_blocks(bs),
+        tile_blocks(bs),
         table_np,
         lens_np.astype(np.int64, copy=False),
         bs,
@@ -402,7 +271,7 @@ def sparq_select(
     )
     if status:
         raise_bad_block_ids(block_table, seq_lens, bs, nb)
-    return _keep_blocks(lse, score_row, 1.0, block_table, seq_lens, bs, cfg)
+    return keep_blocks_numpy(lse, score_row, 1.0, block_table, seq_lens, bs, cfg)
 
 
 class GSA(SparseMethod):
@@ -410,19 +279,24 @@ class GSA(SparseMethod):
 
     Args:
         cfg: ``ucm_sparse_config.GSA``.
-        impl: kernel implementation for summaries and scores (``"auto"``: Triton on CUDA; on CPU numba for the
-            ``sparq`` scoring where it applies, torch otherwise; ``"triton"``, ``"numba"`` (``sparq`` only; the
-            ``key_bounds`` kernels then run their torch path), ``"torch"``, or ``"reference"``: the test oracles).
+        impl: kernel implementation for summaries, scores and the selection, in ``ucm.kernels.utils``' vocabulary:
+            ``"auto"`` (Triton on CUDA; on CPU the numba paths of the ``sparq`` scoring and of the selection where
+            they apply, torch otherwise), ``"triton"``, ``"cpu"`` (the numba paths; the ``key_bounds`` kernels then
+            run their torch code), ``"torch"``, or ``"reference"`` (the kernels' test oracles; the selection runs
+            its torch code).
+
+    Raises:
+        ValueError: ``impl`` is not one of ``ucm.kernels.utils.IMPLS``.
     """
 
     name = "GSA"
 
-    def __init__(self, cfg: GSAConfig, impl: str = "auto") -> None:
+    def __init__(self, cfg: GSAConfig, impl: Impl = "auto") -> None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
         self.cfg = cfg
-        self.impl = impl
-        self._bounds_impl = "torch" if impl in ("numba", "reference") else impl  # the key_bounds kernels' impl
+        self.impl: Impl = impl
+        self._bounds_impl: Impl = "torch" if impl in ("cpu", "reference") else impl  # block_summaries' impl
 
     def new_summaries(self, num_blocks: int, num_kv_heads: int, head_dim: int, device: torch.device) -> BlockSummaries:
         """An all-stale table for ``num_blocks`` blocks: :class:`KeyBounds`, :class:`AttentionMass` with
@@ -474,7 +348,7 @@ class GSA(SparseMethod):
             raise TypeError(
                 f"GSA needs KeyBounds, AttentionMass or KeyChannels summaries, got {type(summaries).__name__}"
             )
-        if isinstance(summaries, KeyChannels) and self._numba_select(block_table) and numba_applies(keys):
+        if isinstance(summaries, KeyChannels) and self._cpu_select(block_table) and cpu_applies(keys):
             return sparq_select(query, keys, block_table, seq_lens, scale, self.cfg, summaries.key_words(keys))
         block_size = key_geometry(keys)[2]
         n = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
@@ -495,45 +369,43 @@ class GSA(SparseMethod):
             inside = cols < nb[:, None]
             counts = torch.where(cols == (nb - 1)[:, None], lens[:, None] - (nb - 1)[:, None] * block_size, block_size)
             summaries.refresh(keys, table[inside].long(), counts[inside])
-            if self.impl == "reference":
-                head = block_scores_reference(query[rows], summaries.kmin, summaries.kmax, table, nb)
-            else:
-                head = block_scores(query[rows], summaries.kmin, summaries.kmax, table, nb, impl=self._bounds_impl)
+            scores_impl: Impl = "reference" if self.impl == "reference" else self._bounds_impl
+            head = block_scores(query[rows], summaries.kmin, summaries.kmax, table, nb, impl=scores_impl)
             temperature = scale
-        if temperature is not None and self._numba_select(block_table):
-            return keep_blocks(head, temperature, rows, block_table, seq_lens, block_size, self.cfg)
-        scores = head if temperature is None else aggregate_scores(head, temperature)
-        keep = torch.ones(block_table.shape, dtype=torch.bool, device=block_table.device)
-        keep[rows] = keep_mask(scores, nb, self.cfg)
-        return compact_block_table(block_table, seq_lens, keep, block_size)
+        if temperature is None:  # measured block scores: no per-head softmax, the torch rule
+            keep = torch.ones(block_table.shape, dtype=torch.bool, device=block_table.device)
+            keep[rows] = keep_mask(head, nb, self.cfg)
+            return compact_block_table(block_table, seq_lens, keep, block_size)
+        select_impl: Impl = "cpu" if self._cpu_select(block_table) else "torch"
+        return keep_blocks(head, temperature, rows, block_table, seq_lens, block_size, self.cfg, impl=select_impl)
 
     def warm_up(self, dtype: torch.dtype, device: torch.device, layout: KVLayout) -> None:
         """With ``sparq`` on the numba path: one selection on a tiny synthetic cache of ``dtype`` in ``layout`` (a
         CPU layout) with an int32 block table (vLLM's), which compiles the kernels for exactly the engine's argument
-        types, or loads them from numba's on-disk cache (~10-25 s for a fresh install on this repo's 2-core machine;
-        ~0.5 s after). The kernels take CPU_ATTN and CPU_ATTN_AMX keys with the same argument types, so either
-        layout's warm-up covers both.
+        types, or loads them from numba's on-disk cache (seconds for a fresh install, much less after: the engine
+        logs the time, see "Cost" under sparse attention in benchmarks/RESULTS.md). The kernels take CPU_ATTN and
+        CPU_ATTN_AMX keys with the same argument types, so either layout's warm-up covers both.
 
         Raises:
             ValueError: ``layout`` is CPU_ATTN_AMX and ``dtype`` is not 2 bytes wide (from ``paged_keys``).
         """
-        if self.cfg.block_scoring != "sparq" or self.impl not in ("auto", "numba") or device.type != "cpu":
+        if self.cfg.block_scoring != "sparq" or self.impl not in ("auto", "cpu") or device.type != "cpu":
             return
         if layout not in (KVLayout.CPU_ATTN, KVLayout.CPU_ATTN_AMX):
             return  # no numba path for the other layouts
         num_blocks, h, d, bs = self.cfg.min_blocks + 1, 1, 32, 32  # 32: the least CPU_ATTN_AMX allows
         keys = paged_keys(torch.zeros((num_blocks, h, bs, 2 * d), dtype=dtype), layout)
-        if not numba_applies(keys):
+        if not cpu_applies(keys):
             return
         table = torch.arange(num_blocks, dtype=torch.int32)[None]
         lens = torch.tensor([num_blocks * bs], dtype=torch.int32)
         summaries = self.new_summaries(num_blocks, h, d, device)
         self.select(torch.ones((1, h, d), dtype=dtype), keys, summaries, table, lens, d**-0.5)
 
-    def _numba_select(self, block_table: torch.Tensor) -> bool:
-        """Whether the selection runs as one numba call (:func:`keep_blocks`): ``impl`` ``"auto"`` or ``"numba"``
-        on CPU."""
-        return self.impl in ("auto", "numba") and block_table.device.type == "cpu"
+    def _cpu_select(self, block_table: torch.Tensor) -> bool:
+        """Whether the selection runs as one numba call (``keep_blocks``' CPU path): ``impl`` ``"auto"`` or
+        ``"cpu"`` on CPU."""
+        return self.impl in ("auto", "cpu") and block_table.device.type == "cpu"
 
     @staticmethod
     def _measured_scores(

@@ -19,6 +19,12 @@ Semantics (the design's store contract):
 
 Buffers are CPU ``torch.uint8`` tensors of shape ``[len(keys), block_nbytes]``, row ``i`` holding key ``i``'s
 block; the caller keeps ``src`` unchanged and ``dst`` alive until the task is done.
+
+Encoded (variable-size) payloads are part of the contract: a stage that stores bytes offers
+:class:`EncodedStore`'s verbs (``dump_encoded``, ``load_encoded``: a payload of any size with a codec id, decoded
+by the caller) through :meth:`UcmKVStoreBase.encoded_store`, so a stage that encodes blocks (``Compress``) stacks
+over any such stage. A stage answers ``None`` there when it keeps canonical blocks only; the pipeline builder
+refuses to put an encoding stage over it.
 """
 
 from __future__ import annotations
@@ -48,6 +54,12 @@ class StoreError(Exception):
 
 class BlockCorruptedError(StoreError):
     """A stored block failed validation (header, key, size or checksum). Treat as a miss."""
+
+
+# Prefix of a failure reason meaning "not a block this reader knows" (another format version, codec, container or
+# block size: another UCM version sharing the storage, or a caller's size mismatch) rather than damage: the stored
+# block is kept, never removed as damaged.
+FOREIGN = "foreign: "
 
 
 @dataclass(frozen=True)
@@ -174,6 +186,72 @@ class Task:
     def add_done_callback(self, fn: Callable[[Task], None]) -> None:
         """Call ``fn(task)`` once the task is done (at once if it is), on the thread that completes it."""
         self._future.add_done_callback(lambda _f: fn(self))
+
+
+@dataclass(frozen=True)
+class EncodedBlock:
+    """One stored payload, handed to the caller's decoder by :meth:`EncodedStore.load_encoded`.
+
+    Attributes:
+        codec: the codec id (u16) given when it was dumped (see :mod:`ucm.store.codecs`).
+        payload: the stored bytes, verified by the stage to be exactly the ones dumped; a view of the stage's buffer,
+            valid only during the decoder's call.
+    """
+
+    codec: int
+    payload: memoryview
+
+
+# The decoder of EncodedStore.load_encoded: ``(row, block) -> None`` when it used the block, else why not.
+PayloadDecoder = Callable[[int, EncodedBlock], str | None]
+
+
+class EncodedStore(abc.ABC):
+    """The verbs of a stage that holds *encoded* blocks: payloads of any size, each stored with the id of the codec
+    that produced it, for a stage above that encodes canonical blocks (``Compress``). A stage offers them through
+    :meth:`UcmKVStoreBase.encoded_store`; keys, ``lookup``, visibility and failures follow the store contract (see
+    the module docstring):
+
+    - :meth:`dump_encoded` stores a payload of any size with a codec id as a key's block;
+    - :meth:`load_encoded` reads each key's stored block, whatever its codec, and hands the codec and payload to the
+      caller's decoder, which decodes it where it needs it;
+    - failures are per key, a miss for the caller, never wrong bytes: a stage hands over only payloads it has
+      verified to be exactly the ones dumped, and reports a key failed when it cannot.
+    """
+
+    @abc.abstractmethod
+    def dump_encoded(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview], codecs: Sequence[int]
+    ) -> Task:
+        """Start storing ``payloads[i]`` (bytes-like, any size, may differ per key) with codec id ``codecs[i]``
+        (u16) as the block of ``keys[i]``.
+
+        A block becomes visible to ``lookup`` once completely stored; a key already present is skipped and counts as
+        stored. The task's result names the keys not stored. ``payloads`` must stay unchanged until the task is
+        done.
+
+        Raises:
+            TypeError / ValueError: bad keys; ``payloads`` or ``codecs`` not one per key; a codec outside u16.
+            RuntimeError: the store is closed.
+        """
+
+    @abc.abstractmethod
+    def load_encoded(self, keys: Sequence[bytes], max_nbytes: int, consume: PayloadDecoder) -> Task:
+        """Start reading the stored blocks of ``keys``, whatever their codec, each handed to ``consume(i, block)``
+        (:class:`EncodedBlock`) as soon as it is read and verified, on the stage's thread that read it (so decoding
+        overlaps the reads of later blocks).
+
+        ``block.payload`` is valid only during the call: ``consume`` decodes or copies it before returning. It
+        returns ``None`` when it used the block, else why not: a reason starting with :data:`FOREIGN` (a codec,
+        container or block size it does not read) fails the key and keeps the stored block; any other reason fails
+        the key as damaged (the stage may drop the block). An exception from ``consume`` fails the key. A block that
+        is missing, fails verification or has a payload over ``max_nbytes`` bytes is never handed over (its key
+        fails). The task completes once every key has been handed over or failed.
+
+        Raises:
+            TypeError / ValueError: bad keys; ``max_nbytes`` < 1.
+            RuntimeError: the store is closed.
+        """
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
@@ -338,6 +416,13 @@ class UcmKVStoreBase(abc.ABC):
     def check(self, task: Task) -> bool:
         """True when ``task`` is done (non-blocking)."""
         return task.done()
+
+    def encoded_store(self) -> EncodedStore | None:
+        """Where this stage holds encoded payloads: the object whose :class:`EncodedStore` verbs store them (the
+        stage itself when it stores bytes; the stage below's for a stage that passes them through), or ``None``
+        when this stage keeps canonical blocks only (this default). A stage that encodes blocks needs one below it;
+        the pipeline builder checks it when it stacks the stages."""
+        return None
 
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Record the model namespace of the blocks dumped from now on: ``tag`` (the namespace digest, >= 4 bytes)

@@ -2,14 +2,14 @@
 
 Memory: cached blocks live in *slots*, 1-D CPU ``torch.uint8`` tensors of one block's size, kept in LRU order. Slots
 are allocated as blocks arrive (lazily, up to the capacity) and reused once their block is evicted, so the cache's
-memory is touched (page-faulted) once and then only copied into: on the machines measured, writing fresh memory ran
-at 1.4-3 GB/s against 15-20 GB/s into memory already touched. Free slots are kept per block size; a block of another
-size gets room by dropping free slots of other sizes, then by evicting. With ``prefault_bytes`` (config
-``cache_prefault_gb``), :meth:`CacheStore.prepare` allocates and writes that many bytes of free slots of the
-connector's block size up front, on a background thread, so the first blocks cached after a start (a restart's
-storage hits) are copied into touched memory. The cache holds at most
-``capacity_bytes`` bytes of slots: cached blocks, free slots and slots being filled all count (Python object
-overhead is not counted); :attr:`CacheStore.used_bytes` counts the cached blocks alone.
+memory is touched (page-faulted) once and then only copied into: writing fresh memory is many times slower than
+writing memory already touched (figures: "Store bandwidth" in ``benchmarks/RESULTS.md``). Free slots are kept per
+block size; a block of another size gets room by dropping free slots of other sizes, then by evicting. With
+``prefault_bytes`` (config ``cache_prefault_gb``), :meth:`CacheStore.prepare` allocates and writes that many bytes of
+free slots of the connector's block size up front, on a background thread, so the first blocks cached after a start
+(a restart's storage hits) are copied into touched memory. The cache holds at most ``capacity_bytes`` bytes of slots:
+cached blocks, free slots and slots being filled all count (Python object overhead is not counted);
+:attr:`CacheStore.used_bytes` counts the cached blocks alone.
 
 Eviction: least recently used first (``dump`` and ``load`` of a key make it most recent; ``lookup`` does not),
 and never a *pinned* block. A block is pinned while a load copies out of it and while its write-back to the
@@ -31,10 +31,14 @@ Timing:
   task completes when those rows are in ``dst``. Blocks loaded from below are then inserted into the cache
   (read-through promotion), within the capacity.
 - ``load_sharded`` promotes each miss as soon as the stage below has validated it (on that stage's I/O thread,
-  while the other rows are still being read), and completes once every row is in ``dst`` and promoted. Measured
-  store-only on a 2-vCPU VM (31 SmolLM2 blocks of 2.8 MiB, 30 shards, fresh store): the task completed after 39-46
-  ms instead of 54-55 ms with the copies all made after the last row (page cache warm), 91 ms instead of 111 ms
-  (page cache dropped).
+  while the other rows are still being read), and completes once every row is in ``dst`` and promoted, sooner than
+  with the copies all made after the last row (figures: "Store bandwidth" in ``benchmarks/RESULTS.md``).
+
+Encoded payloads (a stage above that encodes blocks, like ``Compress``) are passed through to the stage below, not
+cached: :meth:`CacheStore.encoded_store` answers with the stage below's (``None`` without one, or over one that
+keeps canonical blocks only). The slots hold canonical blocks, whose size the caller of a load knows; an encoded
+payload's size is known only once it is read, and a DRAM hit would still need a decode. No supported pipeline puts
+``Compress`` over ``Cache``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import torch
 from ucm.affinity import daemon_thread, thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
+    EncodedStore,
     RowCallback,
     ShardProgress,
     Task,
@@ -75,9 +80,9 @@ def _copy_row(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[:] = src`` for two 1-D uint8 CPU tensors of the same size, as one ``memcpy`` on this thread.
 
     Not ``Tensor.copy_``: that splits a large copy over torch's intra-op threads, and on a host whose other cores
-    are busy (vLLM's, or another process's) the split copy waits for them: 512 KiB rows ran at 0.07 GB/s with two
-    intra-op threads on a loaded 2-core machine, against 17 GB/s as one ``memcpy``. numpy releases the GIL while it
-    copies, and writes into inference tensors (vLLM's buffers) from any thread.
+    are busy (vLLM's, or another process's) the split copy waits for them, many times slower than one ``memcpy``
+    (figures: "Store bandwidth" in ``benchmarks/RESULTS.md``). numpy releases the GIL while it copies, and writes
+    into inference tensors (vLLM's buffers) from any thread.
     """
     np.copyto(dst.numpy(), src.numpy())
 
@@ -415,6 +420,11 @@ class CacheStore(UcmKVStoreBase):
             count * nbytes / 2**30,
             (time.perf_counter() - t0) * 1e3,
         )
+
+    def encoded_store(self) -> EncodedStore | None:
+        """The stage below's encoded payloads, passed through uncached (see the module docstring); ``None`` without
+        a stage below or over one that keeps canonical blocks only."""
+        return self._inner.encoded_store() if self._inner is not None else None
 
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
         """Pass the model namespace down to the stage below (the DRAM tier keeps nothing per namespace)."""

@@ -2,7 +2,7 @@
 
 The store is named by ``--storage-backends DIR[:DIR...]`` or by ``--config ucm_config.yaml`` (its
 ``storage_backends``; relative paths are taken relative to the working directory, as UCM itself does). Every
-command walks the directories recursively and sorts what it finds by name (see :mod:`ucm.store.posix`):
+command walks the directories recursively and sorts what it finds by name (see :mod:`ucm.store.posix.format`):
 
 - block files: ``*.ucmb`` not starting with ``.``;
 - temp files: ``.*.tmp``, a dump in progress or left behind by a killed writer; a temp file is *stale* when its
@@ -23,7 +23,7 @@ Commands:
 - ``clear --yes [--namespace TAG]``: deletes every block file and every stale temp; with ``--namespace``, only the
   block files of that namespace (8 hex digits, as ``stats`` prints it).
 
-Last use of a block is ``max(atime, mtime)`` (see :mod:`ucm.store.posix_scan`): the store sets a block file's atime
+Last use of a block is ``max(atime, mtime)`` (see :mod:`ucm.store.posix.scan`): the store sets a block file's atime
 when it serves the block. ``verify`` opens files with ``O_NOATIME`` (or restores the atime afterwards) so that a
 verify pass does not make every block look recently used.
 
@@ -46,31 +46,12 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from ucm.config import GIB, UcmConfigError, load_config_file
-from ucm.store.posix import (
-    CODEC_KVFOLD,
-    CODEC_RAW,
-    FILE_SUFFIX,
-    FOREIGN,
-    FORMAT_VERSION,
-    HEADER,
-    HEADER_NBYTES,
-    MAGIC,
-    _read_encoded,
-    _read_validated,
-    _remove_if_unchanged,
-)
-from ucm.store.posix_scan import (
-    DEFAULT_TMP_AGE_S,
-    NAMESPACE_DIR,
-    Deletion,
-    FileInfo,
-    StoreScan,
-    delete_files,
-    gc_plan,
-    scan_store,
-)
-
-KEY_NBYTES = 16
+from ucm.store.base import FOREIGN, KEY_NBYTES
+from ucm.store.codecs import CODEC_KVFOLD, CODEC_RAW
+from ucm.store.posix.files import remove_if_unchanged
+from ucm.store.posix.format import FILE_SUFFIX, FORMAT_VERSION, HEADER, HEADER_NBYTES, MAGIC, NAMESPACE_DIR
+from ucm.store.posix.psync import read_encoded, read_validated
+from ucm.store.posix.scan import DEFAULT_TMP_AGE_S, Deletion, FileInfo, StoreScan, delete_files, gc_plan, scan_store
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -243,7 +224,7 @@ def verify_file(path: str) -> tuple[str | None, os.stat_result]:
         reason: str | None
         if len(head) == HEADER_NBYTES and HEADER.unpack(head)[:3] == (MAGIC, FORMAT_VERSION, CODEC_KVFOLD):
             # A compressed (KVfold) block: variable size; checked whole (header, key, size, checksum).
-            reason, _ = _read_encoded(fd, st.st_size, key, st.st_size, None)
+            reason, _ = read_encoded(fd, st.st_size, key, st.st_size, None)
         elif len(head) == HEADER_NBYTES:
             magic, version, codec, _reserved, nbytes, _key, _checksum = HEADER.unpack(head)
             if (magic, version, codec) == (MAGIC, FORMAT_VERSION, CODEC_RAW):
@@ -251,10 +232,10 @@ def verify_file(path: str) -> tuple[str | None, os.stat_result]:
                     # Truncated (or a size flipped in the header): do not allocate what the header claims.
                     return f"file is {st.st_size} bytes, expected {HEADER_NBYTES + nbytes}", st
                 payload_nbytes = nbytes
-            # Other headers get an empty buffer: _read_validated rejects them (bad magic, foreign) before the size.
-            reason = _read_validated(fd, st.st_size, key, memoryview(bytearray(payload_nbytes)))
+            # Other headers get an empty buffer: read_validated rejects them (bad magic, foreign) before the size.
+            reason = read_validated(fd, st.st_size, key, memoryview(bytearray(payload_nbytes)))
         else:
-            reason = _read_validated(fd, st.st_size, key, memoryview(bytearray(0)))
+            reason = read_validated(fd, st.st_size, key, memoryview(bytearray(0)))
         after = os.fstat(fd)
         if after.st_atime_ns != st.st_atime_ns:  # O_NOATIME was refused: put the atime back (best effort)
             with contextlib.suppress(OSError):
@@ -284,7 +265,7 @@ def verify_store(scan: StoreScan, remove: bool) -> list[Finding]:
             continue
         removed = False
         if remove:
-            _remove_if_unchanged(info.path, st)
+            remove_if_unchanged(info.path, st)
             removed = not os.path.exists(info.path)
         findings.append(Finding(info.path, "damaged", reason, removed))
     return findings

@@ -1,16 +1,18 @@
-"""``Compress`` store stage (KVfold): encodes canonical blocks on their way to the Posix stage, decodes on the way back.
+"""``Compress`` store stage (KVfold): encodes canonical blocks on their way to the stage below, decodes on the way back.
 
-Pipelines ``Cache|Compress|Posix`` and ``Compress|Posix``. The stage sits on a :class:`~ucm.store.posix.PosixStore`
-and stores each block as a variable-size payload through :meth:`~ucm.store.posix.PosixStore.dump_encoded`, with the
-codec in the block file's header: ``CODEC_KVFOLD`` (a self-describing container, :mod:`ucm.store.kvfold`) or
-``CODEC_RAW`` (the block's bytes, exactly what ``Cache|Posix`` writes). Reading goes through
-:meth:`~ucm.store.posix.PosixStore.load_encoded` and decodes by what the file says, not by this stage's settings, so:
+Pipelines ``Cache|Compress|Posix`` and ``Compress|Posix``. The stage sits on any stage that holds encoded payloads
+(:meth:`~ucm.store.base.UcmKVStoreBase.encoded_store`: ``Posix``; a ``Cache`` passes them through to its stage below)
+and stores each block as a variable-size payload through :meth:`~ucm.store.base.EncodedStore.dump_encoded`, with its
+codec id (:mod:`ucm.store.codecs`; the Posix stage keeps it in the block file's header): ``CODEC_KVFOLD`` (a
+self-describing container, :mod:`ucm.store.kvfold`) or ``CODEC_RAW`` (the block's bytes, exactly what
+``Cache|Posix`` writes). Reading goes through :meth:`~ucm.store.base.EncodedStore.load_encoded` and decodes
+(:func:`~ucm.store.codecs.decode_into`) by what the stored block says, not by this stage's settings, so:
 
 - a store written in one mode is read correctly in any other (a block written with ``fixed_rate`` stays lossy:
   reading it under ``lossless`` is logged once);
 - a store written by ``Cache|Posix`` (raw files) is fully readable by ``Cache|Compress|Posix``;
 - the other way round, ``Cache|Posix`` and ``Posix`` decode KVfold files too (:meth:`~ucm.store.posix.PosixStore.load`,
-  with the same :func:`~ucm.store.kvfold.decode_block`: lossy blocks stay lossy), so switching ``store_pipeline``
+  with the same :func:`~ucm.store.codecs.decode_into`: lossy blocks stay lossy), so switching ``store_pipeline``
   back, or mixing both pipelines on one directory, loses no stored block. Never wrong KV.
 
 Modes (``compress_mode``, see :mod:`ucm.config`): ``lossless`` (default; bit-exact), ``fixed_rate`` (lossy int8
@@ -19,12 +21,12 @@ dtype other than bf16 (learnt from :meth:`set_namespace`; the connector calls it
 raw, with one info log line.
 
 Work: blocks are encoded on ``threads`` threads (``decompress_thread_num``; zstandard and numba release the GIL),
-one job per block, then written in one batched Posix dump. A load is one batched Posix read
-(:meth:`~ucm.store.posix.PosixStore.load_encoded`): each I/O thread decodes the file it has just read, from its own
-reused buffer, straight into the destination row, so decoding overlaps the reads still waiting on the disk and no
-buffer is allocated per block; at most ``threads`` blocks decode at once. No thread waits for a load (so as many
-blocks are in flight as the Posix stage has I/O threads, however the stage above splits its loads); each dump task
-is run by one of a few coordinator threads. With ``UC_LOGGER_LEVEL=debug``, per task::
+one job per block, then written in one batched ``dump_encoded``. A load is one batched ``load_encoded``: the stage
+below hands each block to the decoder on its thread that has just read it (the Posix stage: an I/O thread, from its
+own reused buffer), which decodes it straight into the destination row, so decoding overlaps the reads still waiting
+on the disk and no buffer is allocated per block; at most ``threads`` blocks decode at once. No thread waits for a
+load (so as many blocks are in flight as the stage below has I/O threads, however the stage above splits its
+loads); each dump task is run by one of a few coordinator threads. With ``UC_LOGGER_LEVEL=debug``, per task::
 
     COMPRESS DUMP START | <task id> | <n> blocks
     COMPRESS DUMP | <task id> | block <key> | <mode> | shard sizes [...]        (bytes per section: layer K, V, ...)
@@ -48,9 +50,9 @@ import torch
 
 from ucm.affinity import thread_pool
 from ucm.logger import init_logger
-from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+from ucm.store.base import EncodedBlock, EncodedStore, Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+from ucm.store.codecs import CODEC_KVFOLD, CODEC_RAW, decode_into, max_encoded_nbytes
 from ucm.store.kvfold import DEFAULT_GROUP, KVGeometry, Mode, decode_block, encode_block
-from ucm.store.posix import CODEC_KVFOLD, CODEC_RAW, EncodedBlock, PosixStore, decode_into
 
 logger = init_logger(__name__)
 
@@ -60,7 +62,7 @@ COMPRESS_MODES: tuple[CompressMode, ...] = ("lossless", "fixed_rate", "off")
 FIXED_RATE_RATIOS: dict[int, Mode] = {16: "int8"}  # 16/32 -> 8 bits per value (+ 16 bits of scale per head_dim values)
 RATIO_OFF = 32
 DATA_TYPES = {0: torch.bfloat16}  # data_type codes of the seed configs
-COORDINATORS = 4  # dump tasks in flight at once (loads need none: they run on the Posix stage's I/O threads)
+COORDINATORS = 4  # dump tasks in flight at once (loads need none: they run on the stage below's I/O threads)
 
 
 def _dtype_of(name: Any) -> torch.dtype | None:
@@ -69,10 +71,11 @@ def _dtype_of(name: Any) -> torch.dtype | None:
 
 
 class CompressStore(UcmKVStoreBase):
-    """The KVfold stage over a Posix stage (see the module docstring).
+    """The KVfold stage over a stage that holds encoded payloads (see the module docstring).
 
     Args:
-        inner: the Posix stage below (owned: closed by :meth:`close`).
+        inner: the stage below (owned: closed by :meth:`close`); its
+            :meth:`~ucm.store.base.UcmKVStoreBase.encoded_store` stores the encoded blocks.
         mode: ``"lossless"``, ``"fixed_rate"`` (lossy) or ``"off"``.
         compress_ratio: with ``fixed_rate``: stored bits per value in 1/32 of the raw 16 (16 = 8 bits: int8 with a
             per-(token, head) bf16 scale); otherwise must be 32.
@@ -81,12 +84,12 @@ class CompressStore(UcmKVStoreBase):
 
     Raises:
         ValueError: an unknown mode, a ``compress_ratio`` not allowed for it, an unknown ``data_type``, ``threads``
-            < 1; TypeError: ``inner`` is not a PosixStore.
+            < 1; TypeError: ``inner`` cannot hold encoded payloads (its ``encoded_store()`` is ``None``).
     """
 
     def __init__(
         self,
-        inner: PosixStore,
+        inner: UcmKVStoreBase,
         *,
         mode: CompressMode = "lossless",
         compress_ratio: int = RATIO_OFF,
@@ -94,11 +97,16 @@ class CompressStore(UcmKVStoreBase):
         threads: int = 4,
     ) -> None:
         check_compress_settings(mode, compress_ratio, data_type)
-        if not isinstance(inner, PosixStore):
-            raise TypeError(f"the Compress stage needs a Posix stage below it, got {type(inner).__name__}")
+        encoded = inner.encoded_store()
+        if encoded is None:
+            raise TypeError(
+                f"the Compress stage needs a stage below it that holds encoded payloads; {type(inner).__name__} "
+                "does not (its encoded_store() is None)"
+            )
         if threads < 1:
             raise ValueError(f"decompress_thread_num must be >= 1, got {threads}")
         self._inner = inner
+        self._encoded: EncodedStore = encoded
         self._mode = mode
         self._codec: Mode | None = FIXED_RATE_RATIOS[compress_ratio] if mode == "fixed_rate" else None
         if mode == "lossless":
@@ -107,7 +115,7 @@ class CompressStore(UcmKVStoreBase):
         self._geometry: KVGeometry | None = None
         self._passthrough: str | None = "compress_mode: off" if mode == "off" else None
         self._pool = thread_pool(threads, "ucm-kvfold")  # encodes
-        self._decode_slots = threading.BoundedSemaphore(threads)  # decodes, on the Posix stage's I/O threads
+        self._decode_slots = threading.BoundedSemaphore(threads)  # decodes, on the stage below's I/O threads
         self._coord = thread_pool(COORDINATORS, "ucm-compress")
         self._ids = itertools.count(1)
         self._pending: set[Future[TaskResult]] = set()
@@ -128,8 +136,8 @@ class CompressStore(UcmKVStoreBase):
             logger.info("Compress stage: compress_mode: %s (bit-exact), %d threads", mode, threads)
 
     @property
-    def inner(self) -> PosixStore:
-        """The Posix stage below."""
+    def inner(self) -> UcmKVStoreBase:
+        """The stage below."""
         return self._inner
 
     @property
@@ -294,7 +302,7 @@ class CompressStore(UcmKVStoreBase):
         raw_nbytes = len(written) * src.shape[1]
         stored_nbytes = sum(len(p) for p in payloads)
         if written:
-            result = self._inner.wait(self._inner.dump_encoded([keys[i] for i in written], payloads, codecs))
+            result = self._inner.wait(self._encoded.dump_encoded([keys[i] for i in written], payloads, codecs))
             failed.update(written[j] for j in result.failed)
         logger.debug(
             "COMPRESS DUMP END | %d | %d blocks encoded (%d already stored), %d -> %d bytes (%.3fx), %d failed, "
@@ -326,19 +334,19 @@ class CompressStore(UcmKVStoreBase):
         )
 
     def _start_load(self, task_id: int, keys: list[bytes], dst: torch.Tensor) -> Task:
-        """Start one batched Posix read of ``keys`` decoding into ``dst`` on the I/O threads; no coordinator thread
-        waits for it (one per load would cap the blocks in flight at ``COORDINATORS``, below the Posix stage's I/O
-        threads, when the Cache stage above loads its misses one block per call)."""
+        """Start one batched ``load_encoded`` of ``keys`` below, decoding into ``dst`` on the threads that read them;
+        no coordinator thread waits for it (one per load would cap the blocks in flight at ``COORDINATORS``, below
+        the Posix stage's I/O threads, when the Cache stage above loads its misses one block per call)."""
         t0 = time.perf_counter()
         n = len(keys)
         logger.debug("COMPRESS LOAD START | %d | %d blocks", task_id, n)
         stored = [0] * n
 
-        def decode(i: int, block: EncodedBlock) -> str | None:  # on the Posix I/O thread that read block i
+        def decode(i: int, block: EncodedBlock) -> str | None:  # on the thread below that read block i
             with self._decode_slots:
                 reason, kind = decode_into(block, dst[i])
             if reason is not None:
-                return reason  # the Posix stage logs it and keeps (foreign) or removes (damaged) the file
+                return reason  # the stage below keeps (foreign) or drops (damaged) the stored block
             stored[i] = len(block.payload)
             logger.debug(
                 "COMPRESS LOAD | %d | block %s | %s | %d -> %d bytes",
@@ -353,9 +361,7 @@ class CompressStore(UcmKVStoreBase):
                 logger.info("Compress stage: loaded blocks stored lossy (fixed_rate int8) by another configuration")
             return None
 
-        # A KVfold container is at most the raw size plus its headers (incompressible planes are stored raw).
-        max_nbytes = 2 * dst.shape[1] + (1 << 16)
-        read = self._inner.load_encoded(keys, max_nbytes, decode)
+        read = self._encoded.load_encoded(keys, max_encoded_nbytes(dst.shape[1]), decode)
         future: Future[TaskResult] = Future()
 
         def finish(done: Task) -> None:

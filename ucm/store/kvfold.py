@@ -8,14 +8,14 @@ layer's V: ``block_size * num_kv_heads * head_dim`` values; otherwise the whole 
 Modes (all stored in a self-describing container, so a block is decoded the same whatever the reader's settings):
 
 - ``lossless`` (mode 1): the block's values are split into an exponent plane and a sign+mantissa plane
-  (:mod:`ucm.kernels.bf16_planes`). The exponent plane is entropy-coded with zstandard at level 1 with a minimum
+  (:mod:`ucm.kernels.kvfold`, bf16 planes). The exponent plane is entropy-coded with zstandard at level 1 with a minimum
   match of 7 and tiny match tables (``LOSSLESS_ZSTD_PARAMS``): on KV, matches are rare, and these settings leave
-  zstd's Huffman literal coder doing nearly all the work, faster and with a better ratio than plain zstd-1 (measured
-  on SmolLM2 KV: mean 1.486x vs 1.454x). It is one zstd frame per block, ended into one zstd block per section
+  zstd's Huffman literal coder doing nearly all the work, faster and with a better ratio than plain zstd-1 (figures:
+  "KVfold codec" in ``benchmarks/RESULTS.md``). It is one zstd frame per block, ended into one zstd block per section
   (``COMPRESSOBJ_FLUSH_BLOCK``), so each section gets its own Huffman table while the whole plane decodes in one
   call. The sign+mantissa plane (about 8 bits of entropy per value) is stored raw. When zstd would not shrink the
   exponent plane, it is stored raw too. Bit-exact for all 65,536 bf16 bit patterns.
-- ``int8`` (mode 2, fixed rate, **lossy**): :mod:`ucm.kernels.int8_groups`, one bf16 scale per ``group`` values
+- ``int8`` (mode 2, fixed rate, **lossy**): :mod:`ucm.kernels.kvfold` (int8 groups), one bf16 scale per ``group`` values
   (``head_dim``: per (token, head)); ``8 + 16 / group`` bits per value. A block holding inf or NaN is encoded
   lossless instead, so non-finite values are never quantized.
 
@@ -43,7 +43,8 @@ values: its ``n / group`` bf16 scales, then its ``n`` int8 values.
 Version 1 (written by UCM before the one-frame layout; decoded, never written) has the int8 body above for both
 modes; a version-1 lossless section of ``n`` values is ``u32 c``, its exponent plane (a zstd frame when ``c < n``,
 raw when ``c == n``), then its ``n`` sign+mantissa bytes. Decoding it costs a few Python calls per section instead of
-per block: on 2 vCPUs, 1.5x the time, and it holds the GIL enough that two threads decode no faster than one.
+per block: slower, and holding the GIL long enough that more threads hardly help (figures: "KVfold codec" in
+``benchmarks/RESULTS.md``).
 
 Decoding validates every size against the container and the expected raw block size; anything inconsistent raises
 :class:`~ucm.store.base.BlockCorruptedError` (a miss for the caller), never returns wrong bytes. Integrity of the
@@ -61,8 +62,13 @@ import numpy as np
 import torch
 import zstandard
 
-from ucm.kernels.bf16_planes import merge_planes_np, split_bf16_planes
-from ucm.kernels.int8_groups import all_finite, dequantize_int8_groups, quantize_int8_groups
+from ucm.kernels.kvfold import (
+    all_finite,
+    dequantize_int8_groups,
+    merge_planes_np,
+    quantize_int8_groups,
+    split_bf16_planes,
+)
 from ucm.store.base import BlockCorruptedError
 
 CONTAINER_VERSION = 2  # written

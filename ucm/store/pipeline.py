@@ -3,6 +3,11 @@
 
 Within one process, every caller with the same config gets the same pipeline object (:func:`shared_store`), so
 vLLM's scheduler-side lookups see the DRAM cache that the worker in the same process fills.
+
+Stacking is checked through the store contract, not by stage class: ``Compress`` stores encoded (variable-size)
+payloads in the stage below it, so that stage must hold them (its
+:meth:`~ucm.store.base.UcmKVStoreBase.encoded_store` is not ``None``); otherwise the build fails with a config error
+naming the stage below and the ones allowed there.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from ucm.store.compress import CompressStore
 from ucm.store.posix import PosixStore
 
 logger = init_logger(__name__)
+
+# What may sit directly below Compress: pipelines whose top stage holds encoded payloads (Posix stores them; Cache
+# passes them through to its stage below). Named in the error of a stage below Compress that cannot;
+# tests/store/test_pipeline.py checks each against the stages' encoded_store().
+ENCODED_PAYLOAD_PIPELINES = ("Posix", "Cache|Posix")
 
 
 def _warn_if_larger_than_memory(capacity_bytes: int) -> None:
@@ -41,13 +51,15 @@ def build_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -
     ``require_writable=False`` (a ``kv_consumer``, which only loads) accepts read-only storage directories.
 
     Raises:
-        ValueError: an unknown stage name (the config schema already refuses these), or a bad storage path.
+        ValueError: an unknown stage name (the config schema already refuses these), a stage below ``Compress`` that
+            cannot hold encoded payloads, or a bad storage path.
     """
     stages = config.store_pipeline.split("|")
     if config.store_pipeline not in SUPPORTED_PIPELINES:
         raise ValueError(f"store_pipeline {config.store_pipeline!r}: allowed {list(SUPPORTED_PIPELINES)}")
     store: UcmKVStoreBase | None = None
-    for stage in reversed(stages):
+    for index in range(len(stages) - 1, -1, -1):
+        stage = stages[index]
         if stage == "Posix":
             store = PosixStore(
                 config.storage_dirs,
@@ -58,10 +70,8 @@ def build_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -
                 require_writable=require_writable,
             )
         elif stage == "Compress":
-            if not isinstance(store, PosixStore):  # pragma: no cover - refused by the schema
-                raise ValueError("the Compress stage must sit directly on the Posix stage")
             store = CompressStore(
-                store,
+                _holding_encoded_payloads(config.store_pipeline, stages[index + 1 :], store),
                 mode=config.compress_mode,
                 compress_ratio=config.compress_ratio,
                 data_type=config.data_type,
@@ -74,6 +84,25 @@ def build_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -
             raise ValueError(f"unknown store stage {stage!r}; allowed: Cache, Compress, Posix")
     assert store is not None
     return store
+
+
+def _holding_encoded_payloads(pipeline: str, below: list[str], store: UcmKVStoreBase | None) -> UcmKVStoreBase:
+    """``store`` (the stages ``below`` of ``pipeline``, already built) when it can hold the encoded payloads of a
+    ``Compress`` stage above it.
+
+    Raises:
+        ValueError: it cannot (its ``encoded_store()`` is ``None``) or there is nothing below; the stages built are
+            closed first. The message names the stages below and the pipelines allowed there.
+    """
+    if store is not None and store.encoded_store() is not None:
+        return store
+    if store is not None:
+        store.close()
+    found = repr("|".join(below)) if below else "nothing"
+    raise ValueError(
+        f"store_pipeline {pipeline!r}: the Compress stage stores encoded payloads in the stage below it, and {found} "
+        f"there cannot hold them; allowed below Compress: {', '.join(map(repr, ENCODED_PAYLOAD_PIPELINES))}"
+    )
 
 
 _shared: dict[str, tuple[UcmKVStoreBase, int]] = {}

@@ -21,8 +21,8 @@ Spec (a dict, JSON-serializable)::
 
 By default the engine core runs inside the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the same scheduler,
 model runner and connector code (both connector roles, in one process), without a second process that polls for
-work. On a 2-core machine under load that halves a short run's wall time (110 s -> 48 s for two requests on the
-tiny model, 2026-12-02). ``"engine_core_process": true`` keeps vLLM's default layout (``LLM`` and ``vllm serve``:
+work, which on a machine with few cores shortens a test's engine run (see "Test suite duration" in
+benchmarks/RESULTS.md). ``"engine_core_process": true`` keeps vLLM's default layout (``LLM`` and ``vllm serve``:
 a separate engine-core process), for benchmarks, the demo and the tests that must see that layout.
 
 ``before_cmd`` lets a test change the world while the engine serves (delete the storage directory, fill a disk);
@@ -44,7 +44,9 @@ from typing import Any
 
 UCM_CONNECTOR = "UCMConnector"
 UCM_MODULE = "ucm.integration.vllm.ucm_connector"
-_HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
+# UCM's per-request log line (``UCMScheduler.get_num_new_matched_tokens``): request id, full prompt blocks, blocks
+# vLLM's prefix cache held, blocks the store supplies.
+HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
 _RESULT_PREFIX = "UCM_ENGINE_RESULT "
 _LOAD_FAILED_RE = re.compile(r"\[UC\]\[W\] (\d+) of \d+ blocks failed to load")
 
@@ -154,7 +156,7 @@ def run_engine(
     for r in raw:  # JSON object keys are strings
         r["top_logprobs"] = [{int(k): v for k, v in step.items()} for step in r.get("top_logprobs", [])]
     results = [RequestResult(**r) for r in raw]
-    hits = _HIT_RE.findall(proc.stderr)
+    hits = HIT_RE.findall(proc.stderr)
     if _uses_ucm(spec.get("connector")):
         if len(hits) != len(results):
             raise RuntimeError(f"expected {len(results)} UCM request lines, found {len(hits)}:\n{proc.stderr[-4000:]}")

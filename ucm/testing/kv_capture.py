@@ -7,7 +7,7 @@ to bf16 rounding differences between kernels). They are cut into canonical block
 
 Run as a script to capture once and save (a few MB, not committed)::
 
-    python -m ucm.testing.kv_capture --model models/SmolLM2-135M-Instruct --tokens 2048 --out /tmp/kv.pt
+    python -m ucm.testing.kv_capture --model models/SmolLM2-135M-Instruct --tokens 2048 --out kv.pt
 """
 
 from __future__ import annotations

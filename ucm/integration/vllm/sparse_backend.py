@@ -210,7 +210,17 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """vLLM's CPU attention; with a sparse method on, decode rows read only their selected blocks."""
+        """vLLM's CPU attention; with a sparse method on, decode rows read only their selected blocks.
+
+        Tensors as vLLM passes them: ``query`` ``[num_tokens, num_heads, head_dim]`` (post-RoPE), ``key`` / ``value``
+        ``[num_tokens, num_kv_heads, head_dim]``, ``kv_cache`` ``[num_blocks, num_kv_heads, block_size, 2 *
+        head_dim]`` in the model's dtype (in-block layout of ``layer.isa``), ``output`` the tensor the result is
+        written into; returns ``[num_tokens, num_heads * head_dim]``.
+
+        Raises:
+            UcmConfigError: a sparse method is on and ``layer.isa`` is a kernel variant UCM has not verified.
+            ValueError: a sparse method is on and ``kv_cache`` does not fit the layout of ``layer.isa``.
+        """
         if self._method is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:
             attn_metadata = self._sparse_metadata(layer, query, kv_cache, attn_metadata)
         return super().forward(

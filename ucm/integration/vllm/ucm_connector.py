@@ -32,6 +32,7 @@ from ucm.config import UcmConfig, UcmConfigError, config_from_extra_config
 from ucm.integration.vllm.engine_info import detect_layout, kv_spec, namespace
 from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.integration.vllm.scheduler import UCMScheduler
+from ucm.integration.vllm.version import check_vllm_metadata
 from ucm.integration.vllm.worker import UCMWorker, load_buffer_blocks
 from ucm.logger import init_logger
 from ucm.store.pipeline import release_shared_store, shared_store
@@ -88,10 +89,13 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         UcmConfigError: the UCM config is invalid or its file is missing.
         ValueError: ``kv_role`` is not one of kv_both, kv_producer, kv_consumer.
         UnsupportedEngineError: the engine's KV cache is not one UCM handles.
+        VllmVersionMismatchError: the package metadata named ``vllm`` describes another version than the running
+            vLLM (``ucm.integration.vllm.version``).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_vllm_metadata()  # a stale `vllm` metadata shim (tools/vllm_metadata.py) would misreport the version
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         kv_role = transfer.kv_role

@@ -89,8 +89,9 @@ class UCMWorker:
         layerwise: ``use_layerwise``: load and gather layer by layer (see the module docstring).
         load_buffer_blocks: blocks of the load staging buffer allocated and paged in by
             :meth:`register_kv_caches` (a larger load grows it, once). Without it the first storage hit of a process
-            copies every block into fresh memory: on this repo's 2-vCPU VM each 2.8 MiB block then took 8-36 ms to
-            copy (its page faults contending with the I/O threads'), against ~0.2 ms into touched memory.
+            copies every block into fresh memory, whose page faults contend with the I/O threads' and make those
+            copies many times slower than copies into touched memory (figures in benchmarks/RESULTS.md, "Other
+            one-off costs").
 
     Raises:
         ValueError: ``load_buffer_blocks`` < 1.
@@ -126,7 +127,13 @@ class UCMWorker:
         self._load_buffer_blocks = load_buffer_blocks
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer paged KV tensors, ordered as the KV spec's layers.
+        """Take vLLM's per-layer paged KV tensors, ordered as the KV spec's layers, detect their layout, warm the
+        copy kernels up and page the load buffer in.
+
+        Args:
+            kv_caches: layer name -> that layer's paged KV in the KV spec's dtype: on CPU ``[num_blocks,
+                num_kv_heads, block_size, 2 * head_dim]`` (in-block layout of vLLM's kernel variant), with
+                FlashAttention ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 
         Raises:
             ValueError: a layer of the KV spec has no tensor.
@@ -138,7 +145,7 @@ class UCMWorker:
         self._kv_caches = [kv_caches[name] for name in self._spec.layer_names]
         self._layout = self._layout_fn(self._kv_caches[0])
         t0 = time.perf_counter()
-        warm_up(self._kv_caches, self._layout)  # the kernels' first-call cost (numba on CPU: ~1 s), not on a TTFT
+        warm_up(self._kv_caches, self._layout)  # the kernels' first-call cost (numba compiling, loading), not on a TTFT
         t1 = time.perf_counter()
         # Page the load buffer in now: a first touch during a storage hit would be on its TTFT.
         self._load_buffer = self._staging(self._load_buffer_blocks)
@@ -185,8 +192,9 @@ class UCMWorker:
         return keys, block_ids
 
     def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
-        """Load the step's planned blocks and scatter them into the paged KV (blockwise: synchronous, all layers;
-        layerwise: start the load, see :meth:`wait_for_layer_load`).
+        """Load the step's planned blocks (``meta.loads``) and scatter them into the paged KV (blockwise:
+        synchronous, all layers; layerwise: start the load, see :meth:`wait_for_layer_load`). A no-op before
+        :meth:`register_kv_caches`.
 
         Blocks the store cannot produce are recorded for :meth:`get_block_ids_with_load_errors` (vLLM recomputes
         them); blockwise, they are not written to the paged KV.
