@@ -16,10 +16,8 @@ default runs the sizes that fit a small machine's memory (Llama 16 and 64 blocks
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_timing import MODELS, figures, make_case, nbytes_of, plain_copy, timed_pair
 
+from benchmarks.common import emit_summary, machine_info, utc_now
 from ucm.kernels import KVLayout
 from ucm.kernels.layouts import CPU_LAYOUTS
 
@@ -94,15 +93,16 @@ def main() -> None:
         )
     summary = {
         "benchmark": "kernels",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": {
+            **machine_info(),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "cpu_threads": torch.get_num_threads(),
             "torch": torch.__version__,
         },
         "results": {f"{r['op']}/{r['layout']}/{r['model']}/{r['blocks']}": r for r in rows},
     }
-    print(json.dumps(summary))
+    raise SystemExit(emit_summary(summary))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ QUERY_LENS = [1, 1, 6, 1]
 SCALE = HEAD_DIM**-0.5
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 HAS_AMX = torch.cpu._is_amx_tile_supported()
+if HAS_AMX:  # a process may use AMX tiles only after asking Linux (vLLM's amx kernel otherwise dies of SIGILL)
+    torch.cpu._init_amx()
 
 
 def _setup(dtype: torch.dtype, seed: int = 0):
