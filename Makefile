@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ucm-installed
 MODELS_DIR ?= models
 
-.PHONY: setup demo test lint bench clean-store
+.PHONY: setup demo test lint bench clean-store pd-mixed
 
 $(STAMP): pyproject.toml Makefile tools/vllm_metadata.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,11 @@ setup: $(STAMP)
 
 demo: setup
 	$(PY) examples/demo.py --models-dir $(MODELS_DIR)
+
+# The seed guide's PD-mixed procedure: one `vllm serve` with UCM, `vllm bench serve` twice, a restart, once more
+# (examples/pd_mixed/run.sh; sizes and what differs from the guide in its header).
+pd-mixed: setup
+	PYTHON=$(PY) MODELS_DIR=$(MODELS_DIR) bash examples/pd_mixed/run.sh
 
 lint: setup
 	$(PY) -m ruff check ucm tests benchmarks examples tools

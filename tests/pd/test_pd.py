@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import LOGPROB_TOL, ucm_extra_config
+from tests.helpers import ucm_extra_config
+from tests.pd.helpers import MAX_TOKENS, assert_same, complete, hits
 from ucm.testing.engine import ucm_transfer_config
 from ucm.testing.server import ProxyProcess, VllmServer, http_json, stream_completion
 from ucm.testing.texts import real_text
@@ -32,8 +32,6 @@ pytestmark = pytest.mark.engine
 BLOCK_SIZE = 128  # the CPU backend's default
 PUBLISH_DELAY_S = 1.5
 INJECT_DIR = Path(__file__).resolve().parent.parent / "faults" / "inject"
-MAX_TOKENS = 12
-_HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
 
 
 class Cluster:
@@ -92,28 +90,9 @@ def cluster(real_model, tmp_path_factory):
     c.stop()
 
 
-def _complete(url: str, model: str, prompt: str, **extra) -> dict:
-    status, body = http_json(
-        f"{url}/v1/completions",
-        {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1, **extra},
-    )
-    assert status == 200, body
-    return body
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    """Greedy tokens identical, log-probs within LOGPROB_TOL (as tests.conftest.assert_same_output)."""
-    g, w = got["choices"][0], want["choices"][0]
-    assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
-    assert g["text"] == w["text"]
-    pairs = zip(g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"], strict=True)
-    diff = max(abs(a - b) for a, b in pairs)
-    assert diff < LOGPROB_TOL, f"log-probs differ by {diff}"
-
-
 def _hits(server: VllmServer) -> dict[str, tuple[int, int, int]]:
-    """UCM's per-request line of a server: request id -> (total blocks, hit hbm, hit external)."""
-    return {m[0]: (int(m[1]), int(m[2]), int(m[3])) for m in _HIT_RE.findall(server.read_log())}
+    """UCM's per-request lines of a server: request id -> (total blocks, hit hbm, hit external)."""
+    return hits(server.read_log())
 
 
 def _new_hits(server: VllmServer, before: dict) -> list[tuple[int, int, int]]:
@@ -128,9 +107,9 @@ def _run_pd(cluster: Cluster, proxy: ProxyProcess, lengths: list[int]) -> list[i
     for n in lengths:
         prompt = cluster.prompt(n)
         before = [_hits(d) for d in cluster.decode]
-        got = _complete(proxy.url, cluster.model, prompt)
-        want = _complete(cluster.single.url, cluster.model, prompt)
-        _assert_same(got, want)
+        got = complete(proxy.url, cluster.model, prompt)
+        want = complete(cluster.single.url, cluster.model, prompt)
+        assert_same(got, want)
         full_blocks = got["usage"]["prompt_tokens"] // BLOCK_SIZE
         lines = [_new_hits(d, b) for d, b in zip(cluster.decode, before, strict=True)]
         (line,) = [x for per in lines for x in per]  # exactly one decode instance served it
@@ -149,7 +128,7 @@ def test_1p1d_same_output_as_single_instance(cluster, tmp_path):
         prompt = cluster.prompt(500)
         body = {"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
         text, ttft, total = stream_completion(f"{proxy.url}/v1/completions", body)
-        want = _complete(cluster.single.url, cluster.model, prompt)
+        want = complete(cluster.single.url, cluster.model, prompt)
         assert text == want["choices"][0]["text"]
         assert 0 < ttft <= total
 
@@ -197,9 +176,9 @@ def test_decode_instance_without_kv_recomputes(cluster):
     prompt = cluster.prompt(600)
     before = _hits(decode)
     # As the proxy would pass it on from a prefill answer that claimed 4 stored blocks.
-    got = _complete(decode.url, cluster.model, prompt, kv_transfer_params={"ucm_prefill_blocks": 4})
-    want = _complete(cluster.single.url, cluster.model, prompt)
-    _assert_same(got, want)
+    got = complete(decode.url, cluster.model, prompt, kv_transfer_params={"ucm_prefill_blocks": 4})
+    want = complete(cluster.single.url, cluster.model, prompt)
+    assert_same(got, want)
     ((_, hbm, external),) = _new_hits(decode, before)
     assert (hbm, external) == (0, 0)
     assert "the prefill instance stored 4 blocks, the store has the first 0; recomputing the rest" in decode.read_log()
@@ -216,8 +195,8 @@ def test_proxy_retries_when_a_prefill_instance_dies(cluster, tmp_path):
         victim.kill()
         for n in (350, 450):  # round robin: one of the two is first sent to the dead instance
             prompt = cluster.prompt(n)
-            want = _complete(cluster.single.url, cluster.model, prompt)
-            _assert_same(_complete(proxy.url, cluster.model, prompt), want)
+            want = complete(cluster.single.url, cluster.model, prompt)
+            assert_same(complete(proxy.url, cluster.model, prompt), want)
         with urllib.request.urlopen(f"{proxy.url}/status", timeout=10) as r:
             status = json.loads(r.read())
         assert [p["healthy"] for p in status["prefill"]] == [False, True], status

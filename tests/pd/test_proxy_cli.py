@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -54,3 +55,38 @@ def test_no_instance_up_gives_clear_errors(tmp_path):
     finally:
         log = proxy.stop()
     assert f"prefill instance 127.0.0.1:{dead_p} is down" in log
+
+
+def test_seed_guide_flags(tmp_path):
+    """The seed guide's proxy command line (2P2D, one host per port, --host): every instance is taken, in order."""
+    ports = [free_port() for _ in range(5)]  # nothing listens on the instances' ports
+    log = tmp_path / "proxy.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "ucm.pd.proxy",
+                "--port", str(ports[4]),
+                "--host", "127.0.0.1",
+                "--prefiller-hosts", "127.0.0.1", "127.0.0.1",
+                "--prefiller-ports", str(ports[0]), str(ports[1]),
+                "--decoder-hosts", "127.0.0.1", "127.0.0.1",
+                "--decoder-ports", str(ports[2]), str(ports[3]),
+            ],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    status, body = http_json(f"http://127.0.0.1:{ports[4]}/status", timeout_s=5)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.5)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert status == 200, body
+    assert [i["instance"] for i in body["prefill"]] == [f"127.0.0.1:{p}" for p in ports[:2]], body
+    assert [i["instance"] for i in body["decode"]] == [f"127.0.0.1:{p}" for p in ports[2:4]], body

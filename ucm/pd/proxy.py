@@ -1,17 +1,20 @@
 """A prefill/decode (xPyD) proxy for vLLM instances that share a UCM store.
 
-Each request goes first to a prefill instance (``kv_role: kv_producer``) as a copy with ``max_tokens: 1``, no
-streaming, and ``kv_transfer_params: {"do_remote_decode": true}``; UCMConnector answers it only once the prompt's
-full blocks are in the store, and returns ``kv_transfer_params: {"ucm_prefill_blocks": n}``. The proxy then sends
-the original request, with those ``kv_transfer_params``, to a decode instance (``kv_role: kv_consumer``), which
-loads the blocks from the store instead of recomputing them, and passes its answer (streamed or not) back to the
-client. The instances never talk to each other; only the store's directory is shared.
+Each request goes first to a prefill instance (``kv_role: kv_producer``, or ``kv_both`` as in the seed guides) as a
+copy with ``max_tokens: 1``, no streaming, and ``kv_transfer_params: {"do_remote_decode": true}``; UCMConnector
+answers it only once the prompt's full blocks are in the store, and returns ``kv_transfer_params:
+{"ucm_prefill_blocks": n}``. The proxy then sends the original request, with those ``kv_transfer_params``, to a
+decode instance (``kv_role: kv_consumer`` or ``kv_both``), which loads the blocks from the store instead of
+recomputing them, and passes its answer (streamed or not) back to the client. The instances never talk to each
+other; only the store's directory is shared.
 
-Run::
+Run (the seed guides' flags; examples/pd/start_pd.sh starts this 2P2D on one machine)::
 
-    python -m ucm.pd.proxy --port 8000 \\
-        --prefiller-hosts 127.0.0.1 --prefiller-ports 8100 8101 \\
-        --decoder-hosts 127.0.0.1 --decoder-ports 8200 8201
+    python -m ucm.pd.proxy --port 7805 --host 127.0.0.1 \\
+        --prefiller-hosts 127.0.0.1 127.0.0.1 --prefiller-ports 7800 7801 \\
+        --decoder-hosts 127.0.0.1 127.0.0.1 --decoder-ports 7802 7803
+
+One host per port, or one host for all ports.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI-compatible, streaming passed through),
 ``GET /v1/models`` (from a decode instance), ``GET /health`` (200 while at least one prefill and one decode instance
@@ -398,9 +401,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ucm.pd.proxy", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
-    p.add_argument("--prefiller-hosts", nargs="+", default=["127.0.0.1"], help="prefill hosts (one for all ports)")
+    p.add_argument(
+        "--prefiller-hosts", nargs="+", default=["127.0.0.1"], help="prefill hosts: one per port, or one for all"
+    )
     p.add_argument("--prefiller-ports", nargs="+", type=int, required=True, help="prefill instances' ports")
-    p.add_argument("--decoder-hosts", nargs="+", default=["127.0.0.1"], help="decode hosts (one for all ports)")
+    p.add_argument(
+        "--decoder-hosts", nargs="+", default=["127.0.0.1"], help="decode hosts: one per port, or one for all"
+    )
     p.add_argument("--decoder-ports", nargs="+", type=int, required=True, help="decode instances' ports")
     p.add_argument("--policy", default="round_robin", help=f"instance selection: {' or '.join(POLICIES)}")
     p.add_argument(

@@ -47,6 +47,8 @@ UCM_MODULE = "ucm.integration.vllm.ucm_connector"
 # UCM's per-request log line (``UCMScheduler.get_num_new_matched_tokens``): request id, full prompt blocks, blocks
 # vLLM's prefix cache held, blocks the store supplies.
 HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
+# The same line in a data-parallel engine: HIT_RE's fields, then the DP rank (ucm/integration/vllm/scheduler.py).
+DP_HIT_RE = re.compile(HIT_RE.pattern + r", dp rank: (\d+)")
 _RESULT_PREFIX = "UCM_ENGINE_RESULT "
 _LOAD_FAILED_RE = re.compile(r"\[UC\]\[W\] (\d+) of \d+ blocks failed to load")
 

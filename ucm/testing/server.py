@@ -93,7 +93,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
 
 
 def _group_pids(pgid: int) -> list[int]:
-    """Processes of process group ``pgid`` (from /proc)."""
+    """Processes of process group ``pgid`` (from /proc), zombies left out."""
     pids: list[int] = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -104,7 +104,7 @@ def _group_pids(pgid: int) -> list[int]:
             continue
         # Fields after the parenthesized command: state, ppid, pgrp, ...
         fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid:
+        if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(entry))
     return pids
 
@@ -124,6 +124,28 @@ def _shm_files_of(pids: Sequence[int]) -> set[Path]:
                     if target.startswith("/dev/shm/"):
                         found.add(Path(target))
     return found
+
+
+def kill_group(pgid: int) -> bool:
+    """SIGKILL process group ``pgid`` (a crash, or servers a script left behind) and remove the /dev/shm files its
+    processes had mapped or open (vLLM's shared-memory buffers; no other process maps them).
+
+    Returns:
+        True if any process of the group was alive (and is now killed), False if none was.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    leaked = _shm_files_of(_group_pids(pgid))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _group_pids(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for path in leaked:
+        path.unlink(missing_ok=True)
+    return True
 
 
 class _Process:
@@ -158,14 +180,9 @@ class _Process:
 
     def kill(self) -> str:
         """SIGKILL the process group (a crash), remove what it leaked in /dev/shm; return the log."""
-        leaked: set[Path] = set()
         if self.proc.poll() is None:
-            leaked = _shm_files_of(_group_pids(self.proc.pid))
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_group(self.proc.pid)
             self.proc.wait()
-        for path in leaked:  # the group's own shared memory (no other process maps it)
-            path.unlink(missing_ok=True)
         self._log_file.close()
         return self.log.read_text()
 

@@ -110,6 +110,22 @@ def namespace(vllm_config: VllmConfig, spec: KVSpec, tp_rank: int) -> KVNamespac
     )
 
 
+def data_parallel_rank(vllm_config: VllmConfig) -> int | None:
+    """This engine's data-parallel rank when it is one of several DP engines, else None.
+
+    vLLM runs each DP rank of a dense model as an independent engine whose parallel config says
+    ``data_parallel_size`` 1 and rank 0; the rank survives only in ``data_parallel_index`` and in the ``_dp<rank>``
+    suffix vLLM appends to the KV connector's ``engine_id`` in DP engines. MoE ranks keep ``data_parallel_size`` > 1.
+    """
+    pc = vllm_config.parallel_config
+    index = int(getattr(pc, "data_parallel_index", pc.data_parallel_rank))
+    if pc.data_parallel_size > 1:
+        return index
+    transfer = vllm_config.kv_transfer_config
+    engine_id = (transfer.engine_id if transfer is not None else None) or ""
+    return index if engine_id.endswith(f"_dp{index}") else None
+
+
 def detect_layout(vllm_config: VllmConfig, spec: KVSpec, cache: torch.Tensor) -> KVLayout:
     """The paged KV layout of this engine, from its platform and attention kernel variant.
 

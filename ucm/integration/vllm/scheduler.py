@@ -63,6 +63,8 @@ class UCMScheduler:
         load: whether this role loads (kv_both, kv_consumer).
         dump: whether this role dumps (kv_both, kv_producer).
         tp_size: tensor-parallel size of the engine.
+        dp_rank: the engine's data-parallel rank when it is one of several DP engines (added to the per-request log
+            line, whose ranks otherwise share one log), else None.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class UCMScheduler:
         load: bool,
         dump: bool,
         tp_size: int = 1,
+        dp_rank: int | None = None,
     ) -> None:
         self._block_size = spec.block_size
         self._namespace = namespace_digest
@@ -82,6 +85,7 @@ class UCMScheduler:
         self._load = load
         self._dump = dump
         self._tp_size = tp_size
+        self._dp_suffix = "" if dp_rank is None else f", dp rank: {dp_rank}"
         self._requests: dict[str, _RequestState] = {}
         # Keys the workers reported as stored (their DRAM tier is invisible from this process), most recent last.
         # Bounded: older keys have been written back to storage by the time they fall out.
@@ -132,7 +136,8 @@ class UCMScheduler:
         Counts the leading full prompt blocks the store holds (or the workers reported stored); a hit on the whole
         prompt leaves its last token to compute (vLLM needs one token to produce logits). The first call for a
         request logs its line (``request_id: .., total_blocks_num: .., hit hbm: .., hit external: ..``, in
-        blocks); a later call (the request was not scheduled, or was preempted) looks up again.
+        blocks, then ``, dp rank: ..`` in a data-parallel engine); a later call (the request was not scheduled, or
+        was preempted) looks up again.
         """
         state = self._requests.get(request.request_id)
         params = request.kv_transfer_params or {}
@@ -164,11 +169,12 @@ class UCMScheduler:
                     state.num_stored,
                 )
             logger.info(
-                "request_id: %s, total_blocks_num: %d, hit hbm: %d, hit external: %d",
+                "request_id: %s, total_blocks_num: %d, hit hbm: %d, hit external: %d%s",
                 request.request_id,
                 len(state.keys),
                 num_hbm,
                 -(-num_external // self._block_size),
+                self._dp_suffix,
             )
             logger.debug(
                 "request_id: %s, block keys: %s",

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm.config import UcmConfig, UcmConfigError, config_from_extra_config
-from ucm.integration.vllm.engine_info import detect_layout, kv_spec, namespace
+from ucm.integration.vllm.engine_info import data_parallel_rank, detect_layout, kv_spec, namespace
 from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.integration.vllm.scheduler import UCMScheduler
 from ucm.integration.vllm.version import check_vllm_metadata
@@ -127,6 +127,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 load=load,
                 dump=dump,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                dp_rank=data_parallel_rank(vllm_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
