@@ -41,7 +41,6 @@ UCM store is removed at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -66,7 +65,7 @@ import yaml  # noqa: E402
 from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
 from ucm.testing.engine import DP_HIT_RE, ucm_transfer_config  # noqa: E402
 from ucm.testing.models import ensure_smollm2, ensure_tiny_llama  # noqa: E402
-from ucm.testing.server import VllmServer  # noqa: E402
+from ucm.testing.server import VllmServer, sse_chunks  # noqa: E402
 
 DP_SIZE = 2
 CONFIGS = ("recompute", "hbm_pc", "ucm_pc")
@@ -125,25 +124,17 @@ def stream(url: str, body: dict[str, Any], rank: int | None = None, timeout_s: f
         urllib.error.HTTPError: the server refused the request.
         RuntimeError: the stream ended without a token or without usage figures.
     """
-    headers = {"Content-Type": "application/json"}
-    if rank is not None:
-        headers["X-data-parallel-rank"] = str(rank)
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
     full = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url, data=json.dumps(full).encode(), headers=headers)
     t0 = time.perf_counter()
     ttft: float | None = None
     request_id, tokens = "", None
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data:") :])
-            request_id = chunk.get("id", request_id)
-            if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - t0
-            if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
+    for elapsed, chunk in sse_chunks(url, full, headers, timeout_s):
+        request_id = chunk.get("id", request_id)
+        if chunk.get("choices") and ttft is None:
+            ttft = elapsed
+        if chunk.get("usage"):
+            tokens = int(chunk["usage"]["completion_tokens"])
     e2el = time.perf_counter() - t0
     if ttft is None or tokens is None:
         raise RuntimeError(f"{url}: stream of {request_id or 'a request'} ended without a token or usage")

@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,29 +51,41 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 6
             return e.code, raw.decode(errors="replace")
 
 
+def sse_chunks(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout_s: float = 600.0
+) -> Iterator[tuple[float, dict[str, Any]]]:
+    """POST a streaming (server-sent events) request; yield ``(seconds since sending, chunk)`` per JSON chunk.
+
+    Raises:
+        urllib.error.HTTPError: the server refused the request.
+    """
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            yield time.perf_counter() - t0, json.loads(line[len("data:") :])
+
+
 def stream_completion(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> tuple[str, float, float]:
     """POST a streaming completion request; return ``(text, ttft_s, total_s)`` (first chunk with text, end).
 
     Raises:
         urllib.error.HTTPError: the server refused the request.
     """
-    req = urllib.request.Request(
-        url, data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"}
-    )
     t0 = time.perf_counter()
     ttft = 0.0
     parts: list[str] = []
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data:") :])
-            for choice in chunk.get("choices", []):
-                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                if text and not ttft:
-                    ttft = time.perf_counter() - t0
-                parts.append(text)
+    for elapsed, chunk in sse_chunks(url, {**body, "stream": True}, timeout_s=timeout_s):
+        for choice in chunk.get("choices", []):
+            text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if text and not ttft:
+                ttft = elapsed
+            parts.append(text)
     return "".join(parts), ttft, time.perf_counter() - t0
 
 
