@@ -61,7 +61,9 @@ cache; ``recompute_over_storage_hit`` is the speed-up of a restart with UCM over
 make fixed per-request costs weigh heavily. The restart rows give one sample per restart, so their ratios
 (``layerwise_over_blockwise``, ``compressed_over_uncompressed``) carry the noise of a few restarts; for those
 comparisons ``benchmarks/storage_hits.py`` measures a long-running server's storage hits in paired rounds. The last
-line printed is a JSON object with every number.
+line printed is a JSON object with every number; ``ttft_samples_ms`` holds the samples each median above is taken
+over, by variant, and with ``--out results.json`` a plot of them (quartiles, median, min and max;
+``benchmarks/plots.py``) is written beside it as ``results.png`` (or where ``--plot`` says; path in ``plot``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import drop_caches, emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
+from benchmarks.plots import png_beside, ttft_boxplot  # noqa: E402
 from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config  # noqa: E402
 from ucm.testing.models import ensure_smollm2  # noqa: E402
 from ucm.testing.texts import real_text  # noqa: E402
@@ -318,6 +321,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "spin-waiting on the worker (see the module doc)",
     )
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
+    p.add_argument(
+        "--plot", default=None, help="write the TTFT plot (PNG) here; default: beside --out (results.png), else none"
+    )
     p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
     args = p.parse_args(argv)
     if args.prompt_tokens < 200 or args.repeats < 1 or args.restarts < 1 or args.turns < 1 or args.turn_tokens < 1:
@@ -535,6 +541,45 @@ def ttft_figures(runs: Runs, plan: Plan) -> dict[str, Any]:
     }
 
 
+def ttft_samples(runs: Runs, plan: Plan) -> dict[str, list[float]]:
+    """The samples (ms) the medians of :func:`ttft_figures` are taken over, by variant, for the plot; a variant
+    without any (a failed phase, a repeat UCM did not serve) is left out."""
+    r = plan.repeats
+    samples: dict[str, list[float | None]] = {
+        "cold, without UCM": [runs.recompute.ttft(0)],
+        "cold, with UCM": [runs.ucm_fill.ttft(0)],
+        "recompute": [runs.recompute.ttft(i) for i in range(1, 1 + r)],
+        "vLLM in-memory hit": [runs.inmem.ttft(i) for i in range(1, 1 + r)],
+        "UCM DRAM hit": [runs.ucm_fill.ttft(i) for i in range(1, 1 + r) if served(runs.ucm_fill, i)],
+        "UCM storage hit": [p.ttft(0) for p in runs.ucm_restarts if served(p, 0)],
+        "UCM storage hit, layerwise": [p.ttft(0) for p in runs.lw_restarts if served(p, 0)],
+        "UCM storage hit, KVfold": [p.ttft(0) for p in runs.z_restarts if served(p, 0)],
+        "ExampleConnector restart": [] if runs.ex_fill.error else [p.ttft(0) for p in runs.ex_restarts if not p.error],
+    }
+    kept = {name: [v for v in values if v is not None] for name, values in samples.items()}
+    return {name: values for name, values in kept.items() if values}
+
+
+def write_plot(summary: dict[str, Any], path: str | Path) -> Path:
+    """Plot ``summary["ttft_samples_ms"]`` (this script's JSON summary) into the PNG ``path``, titled with the
+    prompt length, with the machine, versions and date under the axis.
+
+    Raises:
+        ValueError: no variant has a sample; OSError: the file cannot be written.
+    """
+    machine, versions_ = summary["machine"], summary["versions"]
+    cpu = machine.get("cpu_model") or machine.get("processor") or "unknown CPU"
+    title = (
+        f"End-to-end TTFT, SmolLM2-135M-Instruct, {summary['prompt_tokens']}-token prompt "
+        f"({summary['repeats']} repeats, {summary['restarts']} restarts)"
+    )
+    note = (
+        f"{cpu}, {machine.get('cpu_count')} CPUs; vLLM {versions_.get('vllm')}; {summary['date']}; "
+        f"benchmarks/e2e_ttft.py, engine core: {summary['engine_core']}"
+    )
+    return ttft_boxplot(summary["ttft_samples_ms"], path, title=title, note=note)
+
+
 def answer_tokens(phase: Phase, index: int) -> list[int] | None:
     return phase.results[index].token_ids if index < len(phase.results) else None
 
@@ -648,6 +693,7 @@ def summarize(
         "engine_core": args.engine_core,
         "engine_seconds": {p.name: round(p.seconds, 1) for p in all_phases},
         "raw_ttft_ms": {p.name: raw_ttfts(p) for p in all_phases},
+        "ttft_samples_ms": ttft_samples(runs, plan),
         "problems": problems,
         "ucm_log_lines": {
             p.name: p.uc_lines() for p in all_phases if p.uc_lines() and any(p.name in x for x in problems)
@@ -656,6 +702,7 @@ def summarize(
         "versions": versions(),
         "date": utc_now(),
         "runtime_s": round(time.perf_counter() - t_start, 1),
+        "plot": None,
     }
 
 
@@ -671,6 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_hits(runs, plan)
     summary = summarize(args, prompts, plan, runs, problems, load_start, t_start)
     print_table(summary)
+    plot = args.plot or (png_beside(args.out) if args.out else None)
+    if plot and summary["ttft_samples_ms"]:
+        summary["plot"] = str(write_plot(summary, plot))
+        print(f"plot: {summary['plot']}")
     return emit_summary(summary, args.out, out_indent=1)
 
 

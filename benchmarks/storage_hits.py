@@ -27,7 +27,9 @@ bytes the server's processes read from the block device during the request (``re
 
 Variants (``--variants``): ``blockwise`` (``Cache|Posix``), ``layerwise`` (the same with ``use_layerwise: true``),
 ``compressed`` (``Cache|Compress|Posix``, KVfold lossless), ``compressed_layerwise``, ``posix`` /
-``posix_layerwise`` (``Posix`` alone: no DRAM tier), and ``recompute`` (no connector: the prompt is computed).
+``posix_layerwise`` (``Posix`` alone: no DRAM tier), ``blockwise_traces`` (``blockwise`` with
+``enable_record_traces: true``: the cost of the JSONL trace; UCM's metrics are on in every UCM variant), and
+``recompute`` (no connector: the prompt is computed).
 Each UCM variant has its own fresh store directory, filled by serving every prompt once before the rounds.
 
 ``--suffix-tokens S`` appends S tokens of new real text (different in every round, the same for every variant of
@@ -42,6 +44,10 @@ interval lies below 1 is a measured speed-up; an interval that contains 1 is a t
 of the per-round ratios can fall on the other side of 1 than the ratio of the two medians (a few slow rounds move
 one variant's median but not the paired ratios); the paired figure is the one that cancels the machine's drift.
 Also per variant the median disk read per request (MB) and the idle CPU fraction just before the requests.
+
+With ``--out results.json`` a plot of every variant's TTFT samples (quartiles, median, min and max;
+``benchmarks/plots.py``) is written beside it as ``results.png`` (or where ``--plot`` says); its path is the
+summary's ``plot``.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ from benchmarks.common import (  # noqa: E402
     versions,
 )
 from benchmarks.e2e_ttft import QUESTIONS  # noqa: E402
+from benchmarks.plots import png_beside, ttft_boxplot  # noqa: E402
 from ucm.testing.engine import HIT_RE, ucm_transfer_config  # noqa: E402
 from ucm.testing.models import ensure_smollm2  # noqa: E402
 from ucm.testing.server import VllmServer, stream_completion  # noqa: E402
@@ -80,14 +87,15 @@ from ucm.testing.texts import real_text  # noqa: E402
 
 BLOCK_SIZE = 128  # tokens per block: the CPU attention backend's
 MAX_MODEL_LEN = 4096
-VARIANTS: dict[str, tuple[str, bool] | None] = {
-    # name: (store_pipeline, use_layerwise), None = no connector
-    "blockwise": ("Cache|Posix", False),
-    "layerwise": ("Cache|Posix", True),
-    "compressed": ("Cache|Compress|Posix", False),
-    "compressed_layerwise": ("Cache|Compress|Posix", True),
-    "posix": ("Posix", False),
-    "posix_layerwise": ("Posix", True),
+VARIANTS: dict[str, tuple[str, bool, bool] | None] = {
+    # name: (store_pipeline, use_layerwise, enable_record_traces), None = no connector
+    "blockwise": ("Cache|Posix", False, False),
+    "layerwise": ("Cache|Posix", True, False),
+    "compressed": ("Cache|Compress|Posix", False, False),
+    "compressed_layerwise": ("Cache|Compress|Posix", True, False),
+    "posix": ("Posix", False, False),
+    "posix_layerwise": ("Posix", True, False),
+    "blockwise_traces": ("Cache|Posix", False, True),
     "recompute": None,
 }
 DEFAULT_VARIANTS = ("blockwise", "layerwise", "compressed", "recompute")
@@ -142,14 +150,16 @@ def build_prompts(model_dir: Path, count: int, tokens: int, rounds: int, suffix_
     return prompts, suffixes
 
 
-def ucm_extra(store_dir: Path, pipeline: str, layerwise: bool, cache_gb: float) -> dict[str, Any]:
-    """``kv_connector_extra_config`` for one UCM variant (inline config)."""
+def ucm_extra(store_dir: Path, pipeline: str, layerwise: bool, traces: bool, cache_gb: float) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for one UCM variant (inline config); with ``traces``, the JSONL trace is on
+    (in ``store_dir/traces``)."""
     store: dict[str, Any] = {"store_pipeline": pipeline, "storage_backends": str(store_dir)}
     if pipeline.startswith("Cache|"):
         store["cache_buffer_capacity_gb"] = cache_gb
     return {
         "ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": store}],
         "use_layerwise": layerwise,
+        "enable_record_traces": traces,
     }
 
 
@@ -257,6 +267,42 @@ def summarize(variants: list[Variant], reference: str) -> dict[str, Any]:
     return out
 
 
+def measured_command(argv: list[str]) -> str:
+    """The command line that ran, without where its output went (``--out``, ``--plot``: in ``options``)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--plot"):
+            skip = True
+        elif not arg.startswith(("--out=", "--plot=")):
+            kept.append(arg)
+    return " ".join(["benchmarks/storage_hits.py", *kept])
+
+
+def write_plot(summary: dict[str, Any], path: str | Path) -> Path:
+    """Plot the TTFT samples of every variant of ``summary`` (this script's JSON summary) into the PNG ``path``,
+    titled with the prompt and rounds, the machine, versions, date and command under the axis.
+
+    Raises:
+        ValueError: a variant has no sample; OSError: the file cannot be written.
+    """
+    samples = {name: entry["ttft_ms"] for name, entry in summary["variants"].items()}
+    rounds = max(len(v) for v in samples.values()) if samples else 0
+    machine, versions_ = summary["machine"], summary["versions"]
+    title = (
+        f"Storage-hit TTFT: {summary['model']}, {summary['prompt_full_blocks']} stored blocks of {BLOCK_SIZE} "
+        f"tokens, {rounds} paired rounds"
+    )
+    cpu = machine.get("cpu_model") or machine.get("processor") or "unknown CPU"
+    note = (
+        f"{cpu}, {machine.get('cpu_count')} CPUs; vLLM {versions_.get('vllm')}; {summary['date']}; "
+        f"{summary.get('command', 'benchmarks/storage_hits.py')}"
+    )
+    return ttft_boxplot(samples, path, title=title, note=note)
+
+
 # ------------------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -283,6 +329,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ucm-log-level", default=None, help="UC_LOGGER_LEVEL of the UCM servers (e.g. debug)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-round variant order")
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
+    p.add_argument(
+        "--plot", default=None, help="write the TTFT plot (PNG) here; default: beside --out (results.png), else none"
+    )
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and stores (path in the JSON)")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -320,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = VARIANTS[name]
             transfer = None
             if spec is not None:
-                transfer = ucm_transfer_config(ucm_extra(args.store_root / name, spec[0], spec[1], cache_gb))
+                transfer = ucm_transfer_config(ucm_extra(args.store_root / name, *spec, cache_gb))
             server = VllmServer(
                 model_dir, tmp / f"{name}.log", transfer, max_model_len=MAX_MODEL_LEN, env=env,
                 extra_args=["--no-enable-prefix-caching"],
@@ -353,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     agree = sum(len({v.first_tokens[r] for v in variants}) == 1 for r in range(args.rounds))
     summary: dict[str, Any] = {
         "benchmark": "storage_hits",
+        "command": measured_command(sys.argv[1:] if argv is None else argv),
         "date": utc_now(),
         "model": model_dir.name,
         "options": {k: v for k, v in vars(args).items() if k not in ("prompt_blocks", "store_root")},
@@ -370,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+    plot = args.plot or (png_beside(args.out) if args.out else None)
+    summary["plot"] = str(plot) if plot else None
+    if plot:
+        print(f"[storage_hits] plot: {write_plot(summary, plot)}", file=sys.stderr, flush=True)
     return emit_summary(summary, args.out, failed=bool(problems))
 
 

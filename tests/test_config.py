@@ -221,8 +221,26 @@ def test_layerwise_accepted() -> None:
     assert parse_config({"use_layerwise": False}).use_layerwise is False
 
 
-def test_record_traces_not_available() -> None:
-    assert "enable_record_traces" in config_error({"enable_record_traces": True})
+def test_reset_clears_storage_is_off_by_default_and_a_boolean() -> None:
+    assert parse_config({}).reset_clears_storage is False
+    assert parse_config({"reset_clears_storage": True}).reset_clears_storage is True
+    for value in ("yes", 1, None):
+        message = config_error({"reset_clears_storage": value})
+        assert "reset_clears_storage: not a boolean; allowed: false (a reset empties the DRAM tier" in message
+        assert f"(got {value!r})" in message
+
+
+def test_record_traces_keys() -> None:
+    config = parse_config({"enable_record_traces": True, "record_traces_max_mb": 2})
+    assert config.enable_record_traces is True
+    assert config.traces_max_bytes == 2 << 20
+    assert config.traces_dir == str(Path(DEFAULT_STORAGE_DIR) / "traces")
+    assert parse_config({"enable_record_traces": True, "record_traces_dir": "/tmp/t"}).traces_dir == "/tmp/t"
+    assert parse_config({}).enable_record_traces is False
+    # Trace settings without traces are refused, naming the switch.
+    message = config_error({"record_traces_dir": "/tmp/t"})
+    assert "record_traces_dir" in message and "enable_record_traces: true" in message
+    assert "record_traces_max_mb" in config_error({"enable_record_traces": True, "record_traces_max_mb": 0})
 
 
 def test_io_direct_accepted() -> None:
@@ -350,11 +368,11 @@ def test_top_level_list(tmp_path: Path) -> None:
 
 
 def test_file_errors_name_the_file(tmp_path: Path) -> None:
-    path = write_yaml(tmp_path, "enable_record_traces: true\n")
+    path = write_yaml(tmp_path, "record_traces_max_mb: 1\n")
     with pytest.raises(UcmConfigError) as info:
         load_config_file(path)
     assert str(path) in str(info.value)
-    assert "enable_record_traces" in str(info.value)
+    assert "record_traces_max_mb" in str(info.value)
 
 
 # -- kv_connector_extra_config ---------------------------------------------------------------------------------------

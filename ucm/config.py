@@ -28,6 +28,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
 DEFAULT_STORAGE_DIR = ".ucm_store"
 GIB = 1 << 30
+DEFAULT_TRACE_MAX_MB = 64.0
 
 # Pipelines this version builds.
 SUPPORTED_PIPELINES = ("Cache|Posix", "Posix", "Cache|Compress|Posix", "Compress|Posix")
@@ -295,10 +296,41 @@ class UcmConfig(_Strict):
         "scattered just before its attention (layer i+1 still arriving while layer i computes); dumps are gathered "
         "layer by layer right after each layer's attention. Same stored bytes as blockwise.",
     )
-    enable_record_traces: bool = Field(False, description="Record per-transfer traces (not available yet).")
+    reset_clears_storage: bool = Field(
+        False,
+        description="What vLLM's reset of external caches (POST /reset_prefix_cache?reset_external=true) clears: "
+        "false = UCM's DRAM tier only (stored blocks stay, and serve the next requests); true = also every block "
+        "file of this model's namespace in storage_backends (other models' blocks are kept).",
+    )
+    enable_record_traces: bool = Field(
+        False,
+        description="Write a JSONL trace of lookups, loads and dumps (request ids, tier, blocks, bytes, ms), one file "
+        "per process and connector role (ucm.store.traces).",
+    )
+    record_traces_dir: str | None = Field(
+        None,
+        description="Directory of the trace files (null: 'traces' in the first storage_backends directory). Needs "
+        "enable_record_traces: true.",
+    )
+    record_traces_max_mb: float = Field(
+        DEFAULT_TRACE_MAX_MB,
+        ge=0.001,
+        description="MiB at which a trace file is rotated (renamed to <file>.1, replacing the previous one), so a "
+        "process keeps at most twice this per role. Needs enable_record_traces: true.",
+    )
     ucm_sparse_config: UcmSparseConfig | None = Field(
         None, description="Sparse attention at decode, e.g. {GSA: {sparse_ratio: 0.3}} (null: dense)."
     )
+
+    @field_validator("reset_clears_storage", mode="before")
+    @classmethod
+    def _reset_choice(cls, value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise ValueError(
+                "not a boolean; allowed: false (a reset empties the DRAM tier, stored blocks stay) or true (a reset "
+                "also deletes this model's block files)"
+            )
+        return value
 
     @field_validator("ucm_connectors")
     @classmethod
@@ -307,11 +339,32 @@ class UcmConfig(_Strict):
             raise ValueError(f"ucm_connectors has {len(value)} entries; this UCM version takes exactly 1")
         return value
 
+    @field_validator("record_traces_max_mb", mode="before")
+    @classmethod
+    def _int_is_float(cls, value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     @model_validator(mode="after")
-    def _unbuilt_features(self) -> UcmConfig:
-        if self.enable_record_traces:
-            raise ValueError("enable_record_traces: true is not available in this UCM version; allowed: false")
+    def _trace_keys_need_traces(self) -> UcmConfig:
+        if not self.enable_record_traces:
+            changed = [k for k in ("record_traces_dir", "record_traces_max_mb") if k in self.model_fields_set]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} only apply with enable_record_traces: true; set it, or remove them"
+                )
         return self
+
+    @property
+    def traces_dir(self) -> str:
+        """Where trace files go: ``record_traces_dir``, else ``traces`` in the first storage directory."""
+        if self.record_traces_dir is not None:
+            return self.record_traces_dir
+        return os.path.join(self.store.storage_dirs[0], "traces")
+
+    @property
+    def traces_max_bytes(self) -> int:
+        """``record_traces_max_mb`` in bytes (MiB = 2**20 bytes)."""
+        return int(self.record_traces_max_mb * 2**20)
 
     @property
     def store(self) -> UcmPipelineStoreConfig:

@@ -46,12 +46,14 @@ SUMMARY_KEYS = [
     "engine_core",
     "engine_seconds",
     "raw_ttft_ms",
+    "ttft_samples_ms",
     "problems",
     "ucm_log_lines",
     "machine",
     "versions",
     "date",
     "runtime_s",
+    "plot",
 ]
 MULTITURN_KEYS = [
     "turn_prompt_tokens",
@@ -167,7 +169,10 @@ def run_main(bench: ModuleType, engines: FakeEngines, tmp_path: Path, capsys: An
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert out.read_text() == json.dumps(summary, indent=1) + "\n"  # the file: the same summary, indented
     assert "TTFT through vLLM" in stdout  # the table comes before the JSON line
-    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # the work directory is removed
+    # The work directory is removed; the plot is beside the JSON.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "summary.png"]
+    assert summary["plot"] == str(tmp_path / "summary.png")
+    assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return summary
 
 
@@ -209,6 +214,19 @@ def test_every_phase_runs_and_the_summary_has_every_key(bench, tmp_path, capsys)
     assert mt["example_restart_hit_lines"] == 3 and mt["fill_turns"] == 1
     assert summary["page_cache_dropped"] is True and summary["engine_core"] == "process"
     assert set(summary["raw_ttft_ms"]) == set(summary["engine_seconds"]) == set(engines.processes)
+    samples = summary["ttft_samples_ms"]  # what the medians are taken over, as plotted
+    assert list(samples) == [
+        "cold, without UCM",
+        "cold, with UCM",
+        "recompute",
+        "vLLM in-memory hit",
+        "UCM DRAM hit",
+        "UCM storage hit",
+        "UCM storage hit, layerwise",
+        "UCM storage hit, KVfold",
+        "ExampleConnector restart",
+    ]
+    assert samples["recompute"] == [1050.0, 1050.0] and samples["UCM storage hit"] == [70.0, 70.0]
 
 
 def test_misses_and_crashes_are_reported(bench, tmp_path, capsys):

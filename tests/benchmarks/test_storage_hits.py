@@ -94,6 +94,8 @@ def test_tiny_run_measures_storage_hits(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary == json.loads(out.read_text())
+    assert summary["plot"] == str(tmp_path / "summary.png")  # the TTFT plot, beside the JSON
+    assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary["problems"] == []  # every measured request was a UCM hit of every full block
     assert summary["prompt_full_blocks"] == 4
     kv_mb = summary["prompt_kv_mb"]

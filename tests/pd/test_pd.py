@@ -67,8 +67,12 @@ class Cluster:
             VllmServer(model, tmp / f"decode{i}.log", ucm_transfer_config(extra, "kv_consumer"), **kw) for i in range(2)
         ]
         self.servers = [self.single, *self.prefill, *self.decode]
-        for s in self.servers:
-            s.wait_ready()
+        try:
+            for s in self.servers:
+                s.wait_ready()
+        except BaseException:  # one did not start: stop the others, or they outlive the test session
+            self.stop()
+            raise
 
     def prompt(self, n_tokens: int) -> str:
         """A new real-text prompt of about ``n_tokens`` tokens that shares no prefix with earlier ones."""

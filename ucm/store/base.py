@@ -16,6 +16,10 @@ Semantics (the design's store contract):
 - A load that cannot produce the exact bytes that were dumped (missing, truncated, corrupted, wrong key or size)
   reports that key as failed and leaves the matching ``dst`` row unspecified; it never reports wrong bytes as
   loaded. Callers treat a failed key as a cache miss.
+- ``drop_cached()`` empties the tiers held in process memory (the ``Cache`` stage's DRAM);
+  ``remove_stored(keys=...)`` / ``remove_stored(namespace=...)`` deletes blocks from the storage tier (for vLLM's
+  ``reset_prefix_cache``, see ``ucm.integration.vllm.scheduler``). A block removed under a running load is a miss
+  for it, never wrong data.
 
 Buffers are CPU ``torch.uint8`` tensors of shape ``[len(keys), block_nbytes]``, row ``i`` holding key ``i``'s
 block; the caller keeps ``src`` unchanged and ``dst`` alive until the task is done.
@@ -39,6 +43,7 @@ from typing import Any
 import torch
 
 from ucm.logger import init_logger
+from ucm.store.observe import NO_RECORDER, Recorder
 
 logger = init_logger(__name__)
 
@@ -60,6 +65,16 @@ class BlockCorruptedError(StoreError):
 # block size: another UCM version sharing the storage, or a caller's size mismatch) rather than damage: the stored
 # block is kept, never removed as damaged.
 FOREIGN = "foreign: "
+
+
+@dataclass
+class Removal:
+    """What :meth:`UcmKVStoreBase.remove_stored` deleted: block files, their bytes, and one ``"<path>: <reason>"``
+    per block that could not be deleted."""
+
+    blocks: int = 0
+    nbytes: int = 0
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -268,6 +283,25 @@ def check_keys(keys: Sequence[bytes]) -> None:
             raise ValueError(f"block keys must be {KEY_NBYTES} bytes, got {len(key)}")
 
 
+def check_removal(keys: Sequence[bytes] | None, namespace: bytes | None) -> None:
+    """Validate the arguments of :meth:`UcmKVStoreBase.remove_stored`.
+
+    Raises:
+        TypeError: ``namespace`` or a key is not ``bytes``.
+        ValueError: both or neither of ``keys`` and ``namespace`` are given, ``namespace`` is shorter than 4
+            bytes, or a key is not 16 bytes long.
+    """
+    if (keys is None) == (namespace is None):
+        raise ValueError("remove_stored takes exactly one of keys= (the blocks to delete) or namespace= (a digest)")
+    if keys is not None:
+        check_keys(keys)
+        return
+    if not isinstance(namespace, bytes):
+        raise TypeError(f"namespace must be bytes (a namespace digest), got {type(namespace).__name__}")
+    if len(namespace) < 4:
+        raise ValueError(f"namespace digest must have at least 4 bytes, got {len(namespace)}")
+
+
 def check_keys_and_buffer(keys: Sequence[bytes], buf: torch.Tensor, name: str) -> None:
     """Validate a batch: keys are 16-byte ``bytes``; ``buf`` is a contiguous CPU uint8 ``[len(keys), n]`` tensor.
 
@@ -429,10 +463,44 @@ class UcmKVStoreBase(abc.ABC):
         and ``info`` (JSON-serializable fields naming it: model, dtype, block_size...), for operators' tools.
         Stages that keep nothing per namespace ignore it; stages over another stage pass it down."""
 
+    # Where this stage records its observations (ucm.store.observe); set by set_recorder.
+    _recorder: Recorder = NO_RECORDER
+
+    def set_recorder(self, recorder: Recorder) -> None:
+        """Record this stage's loads and dumps into ``recorder`` from now on (:mod:`ucm.store.observe`). Stages over
+        another stage pass it down."""
+        self._recorder = recorder
+
+    def gauges(self) -> dict[str, float]:
+        """This stage's (and the stages below's) current levels and running totals for metrics, named
+        ``<tier>:<metric>``, e.g. ``dram:used_bytes`` or ``storage:evicted_blocks_total`` (names ending in ``_total``
+        only grow); empty by default. Cheap: no I/O."""
+        return {}
+
     def prepare(self, block_nbytes: int) -> None:  # noqa: B027 - optional hook
         """Get ready for blocks of ``block_nbytes`` bytes (the connector calls it once it knows its KV layout, before
         the first load or dump; other sizes still work). Returns at once; work it starts runs in the background.
         Stages that need nothing ignore it; stages over another stage pass it down."""
+
+    def drop_cached(self) -> int:
+        """Empty the tiers this pipeline holds in process memory (the ``Cache`` stage's DRAM); return the number of
+        blocks dropped. A block being read out or written back when this runs finishes that copy from memory that is
+        no longer reused; nothing read from below before the call is cached after it. Stages without such a tier
+        return 0; stages over another pass it down."""
+        return 0
+
+    def remove_stored(self, *, keys: Sequence[bytes] | None = None, namespace: bytes | None = None) -> Removal:
+        """Delete blocks from the storage tier: those of ``keys`` (16-byte keys), or every block tagged with
+        ``namespace`` (the digest given to :meth:`set_namespace`; blocks of other namespaces are kept); give exactly
+        one of the two. Never raises for a block that cannot be deleted: it is listed in :attr:`Removal.errors`.
+        Stages without a storage tier return an empty :class:`Removal`; stages over another pass it down.
+
+        Raises:
+            TypeError / ValueError: both or neither of ``keys`` and ``namespace`` given, a key not 16 ``bytes``, or
+                ``namespace`` not ``bytes`` of at least 4.
+        """
+        check_removal(keys, namespace)
+        return Removal()
 
     def flush(self) -> None:  # noqa: B027 - optional hook, a no-op for stages without background work
         """Block until all background work (write-backs) started so far is finished."""

@@ -44,6 +44,7 @@ payload's size is known only once it is read, and a DRAM hit would still need a 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import threading
@@ -61,6 +62,7 @@ from ucm.affinity import daemon_thread, thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
     EncodedStore,
+    Removal,
     RowCallback,
     ShardProgress,
     Task,
@@ -72,6 +74,7 @@ from ucm.store.base import (
     check_shards,
     tiered_lookup,
 )
+from ucm.store.observe import Observation, Op, Recorder, current_requests
 
 logger = init_logger(__name__)
 
@@ -113,6 +116,7 @@ class _Read:
     task: Task | None  # None: the stage below refused to start it (every index failed)
     indices: list[int]  # rows of the caller's dst
     slot: torch.Tensor | None = None  # a single miss read into this slot (then copied to dst); None: read into dst
+    generation: int = 0  # the cache's generation when the read started: promoted only if still current
 
 
 class CacheStore(UcmKVStoreBase):
@@ -146,6 +150,11 @@ class CacheStore(UcmKVStoreBase):
         self._slot_bytes = 0  # bytes of every slot allocated: cached, free, or being filled; <= capacity
         self._free: dict[int, list[torch.Tensor]] = {}  # block nbytes -> free slots of that size
         self._lock = threading.Lock()
+        # Bumped by drop_cached: a block read from below, or copied in by a dump, under an older generation is not
+        # cached (it was in flight when the DRAM tier was emptied).
+        self._generation = 0
+        self._evicted_blocks = 0  # blocks evicted to make room, since start
+        self._evicted_bytes = 0
         self._pending: set[Future[TaskResult]] = set()
         self._closed = False
         # One writer thread: write-backs reach the stage below in dump order. Loads from below wait on their
@@ -216,6 +225,7 @@ class CacheStore(UcmKVStoreBase):
         self._check_open()
         if not keys:
             return Task.completed(TaskResult(0))
+        t0 = time.perf_counter()
         nbytes = src.shape[1]
         cached: set[int] = set()
         # (index, entry or None) of the rows written back from src; entry None: the row is not cached
@@ -223,6 +233,7 @@ class CacheStore(UcmKVStoreBase):
         new: list[int] = []  # rows to cache, if they fit
         fills: list[tuple[int, torch.Tensor]] = []  # (index, slot) of the rows to copy into DRAM
         with self._lock:
+            generation = self._generation
             for i, key in enumerate(keys):
                 entry = self._entries.get(key)
                 if entry is not None and entry.data.numel() == nbytes:
@@ -250,9 +261,14 @@ class CacheStore(UcmKVStoreBase):
                     self._release_slot(slot)
                 self._unpin_write_back(write_back)
             raise
+        copied = 0  # new rows copied into DRAM and kept
         if fills:
             with self._lock:
                 for i, slot in fills:
+                    if generation != self._generation:  # the DRAM tier was emptied meanwhile: write back only
+                        self._release_slot(slot)
+                        write_back.append((i, None))
+                        continue
                     entry = self._entries.get(keys[i])
                     if entry is not None and entry.data.numel() == nbytes:  # cached meanwhile (a duplicate key)
                         self._release_slot(slot)
@@ -269,14 +285,18 @@ class CacheStore(UcmKVStoreBase):
                     self._entries[keys[i]] = entry
                     self._used += nbytes
                     cached.add(i)
+                    copied += 1
                     self._schedule_write_back(i, entry, write_back)
+        self._record("dump", len(keys), copied, copied * nbytes, time.perf_counter() - t0)
         if self._inner is None or not write_back:
             failed = frozenset(i for i in range(len(keys)) if i not in cached)
             return Task.completed(TaskResult(len(keys), failed))
         write_back.sort(key=lambda item: item[0])
         assert self._writer is not None
         try:
-            future = self._writer.submit(self._write_back, list(keys), cached, write_back, src)
+            # In the caller's context: the stage below's observations name the caller's requests.
+            run = contextvars.copy_context().run
+            future = self._writer.submit(run, self._write_back, list(keys), cached, write_back, src)
         except RuntimeError:  # closed concurrently: drop the pins taken above
             with self._lock:
                 self._unpin_write_back(write_back)
@@ -303,14 +323,18 @@ class CacheStore(UcmKVStoreBase):
         if not keys:
             return Task.completed(TaskResult(0))
         nbytes = dst.shape[1]
+        t0 = time.perf_counter()
         misses = self._copy_hits(keys, dst)
+        hits = len(keys) - len(misses)
+        self._record("load", len(keys), hits, hits * nbytes, time.perf_counter() - t0)
         if not misses:
             return Task.completed(TaskResult(len(keys)))
         if self._inner is None:
             return Task.completed(TaskResult(len(keys), frozenset(misses)))
         with self._lock:  # after the hits were touched, as the misses are promoted after them
             slots = self._take_slots(nbytes, len(misses), steal=True)
-        reads = self._start_reads(keys, dst, misses, slots)
+            generation = self._generation
+        reads = self._start_reads(keys, dst, misses, slots, generation)
         assert self._loader is not None
         result: Future[TaskResult] = Future()
         try:
@@ -348,7 +372,12 @@ class CacheStore(UcmKVStoreBase):
         self._check_open()
         if progress is None:
             progress = ShardProgress(num_shards, len(keys))
+        with self._lock:
+            generation = self._generation
+        t0 = time.perf_counter()
         misses = self._copy_hits(keys, dst)
+        hits = len(keys) - len(misses)
+        self._record("load", len(keys), hits, hits * dst.shape[1], time.perf_counter() - t0)
         progress.done_all(len(keys) - len(misses))
         missed = set(misses)
         for i in range(len(keys)):
@@ -361,7 +390,7 @@ class CacheStore(UcmKVStoreBase):
             return Task.completed(TaskResult(len(keys), frozenset(misses)), progress)
         reads: list[_Read] = []
         for a, b in _runs(misses):
-            promote = functools.partial(self._promote_row, keys, dst, a, on_row)
+            promote = functools.partial(self._promote_row, keys, dst, a, on_row, generation)
             try:
                 task: Task | None = self._inner.load_sharded(keys[a:b], dst[a:b], num_shards, progress, promote)
             except Exception:
@@ -426,10 +455,71 @@ class CacheStore(UcmKVStoreBase):
         a stage below or over one that keeps canonical blocks only."""
         return self._inner.encoded_store() if self._inner is not None else None
 
+    def set_recorder(self, recorder: Recorder) -> None:
+        """Record this stage's loads (DRAM hits) and dumps (blocks copied into DRAM), tier ``dram``, and pass
+        ``recorder`` down."""
+        self._recorder = recorder
+        if self._inner is not None:
+            self._inner.set_recorder(recorder)
+
+    def gauges(self) -> dict[str, float]:
+        """``dram:used_bytes`` (cached blocks), ``dram:capacity_bytes``, ``dram:evicted_blocks_total`` and
+        ``dram:evicted_bytes_total`` (evicted to make room since start), and the stage below's."""
+        with self._lock:
+            own = {
+                "dram:used_bytes": float(self._used),
+                "dram:capacity_bytes": float(self._capacity),
+                "dram:evicted_blocks_total": float(self._evicted_blocks),
+                "dram:evicted_bytes_total": float(self._evicted_bytes),
+            }
+        return {**(self._inner.gauges() if self._inner is not None else {}), **own}
+
+    def _record(self, op: Op, blocks: int, ok: int, nbytes: int, seconds: float) -> None:
+        """Record a load (``ok``: DRAM hits) or dump (``ok``: blocks copied into DRAM) of ``blocks`` blocks."""
+        if self._recorder.enabled:
+            self._recorder.record(
+                Observation(op, "dram", blocks, ok, nbytes, seconds=seconds, requests=current_requests())
+            )
+
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
         """Pass the model namespace down to the stage below (the DRAM tier keeps nothing per namespace)."""
         if self._inner is not None:
             self._inner.set_namespace(tag, info)
+
+    def drop_cached(self) -> int:
+        """Empty the DRAM tier; return the number of blocks dropped (the stage below keeps what it stores).
+
+        The slots of the dropped blocks become free slots (the cache's memory stays allocated, for the blocks to
+        come). A block pinned at that moment (being copied out by a load, or written back) is dropped too, but its
+        slot is not reused: the copy or write-back finishes from it, and the slot is freed when that ends, so for
+        that time the cache may hold up to those blocks' bytes above its capacity. Loads and dumps running
+        meanwhile stay correct: a block they read from the stage below or copy in before this call returns is not
+        cached after it (the cache's generation changed), and write-backs still reach the stage below.
+        """
+        with self._lock:
+            self._generation += 1
+            dropped, self._entries = self._entries, OrderedDict()
+            for entry in dropped.values():
+                nbytes = entry.data.numel()
+                self._used -= nbytes
+                if entry.pins:  # in use: the slot leaves the cache's accounting, freed by its last user
+                    self._slot_bytes -= nbytes
+                else:
+                    self._release_slot(entry.data)
+        if dropped:
+            logger.debug("cache store: dropped %d cached blocks", len(dropped))
+        return len(dropped) + (self._inner.drop_cached() if self._inner is not None else 0)
+
+    def remove_stored(self, *, keys: Sequence[bytes] | None = None, namespace: bytes | None = None) -> Removal:
+        """Passed down to the stage below (see :meth:`~ucm.store.base.UcmKVStoreBase.remove_stored`); the DRAM tier
+        is emptied by :meth:`drop_cached`.
+
+        Raises:
+            TypeError / ValueError: bad arguments (see :func:`~ucm.store.base.check_removal`).
+        """
+        if self._inner is None:
+            return super().remove_stored(keys=keys, namespace=namespace)
+        return self._inner.remove_stored(keys=keys, namespace=namespace)
 
     def flush(self) -> None:
         """Block until every write-back and read-through promotion started so far has finished."""
@@ -489,10 +579,11 @@ class CacheStore(UcmKVStoreBase):
         self._used -= entry.data.numel()
         self._release_slot(entry.data)
 
-    def _promote_slot(self, key: bytes, slot: torch.Tensor) -> None:
-        """Make ``slot`` (filled with ``key``'s block, read from the stage below) ``key``'s entry, stored below; release
-        it instead when the key is cached already or the store is closed. Caller holds the lock."""
-        if not self._closed and key not in self._entries:
+    def _promote_slot(self, key: bytes, slot: torch.Tensor, generation: int) -> None:
+        """Make ``slot`` (filled with ``key``'s block, read from the stage below by a read started in
+        ``generation``) ``key``'s entry, stored below; release it instead when the key is cached already, the store
+        is closed or :meth:`drop_cached` ran since the read started. Caller holds the lock."""
+        if not self._closed and key not in self._entries and generation == self._generation:
             self._entries[key] = _Entry(slot, stored_below=True)
             self._used += slot.numel()
         else:
@@ -543,8 +634,10 @@ class CacheStore(UcmKVStoreBase):
             for size in drop_free:
                 self._free[size].pop()
                 self._slot_bytes -= size
+            self._evicted_blocks += len(victims)
             for key in victims:
                 entry = self._entries.pop(key)
+                self._evicted_bytes += entry.data.numel()
                 self._used -= entry.data.numel()
                 if reuse and key == victims[-1]:
                     return entry.data
@@ -640,23 +733,32 @@ class CacheStore(UcmKVStoreBase):
         return misses
 
     def _promote_row(
-        self, keys: Sequence[bytes], dst: torch.Tensor, offset: int, on_row: RowCallback | None, j: int, ok: bool
+        self,
+        keys: Sequence[bytes],
+        dst: torch.Tensor,
+        offset: int,
+        on_row: RowCallback | None,
+        generation: int,
+        j: int,
+        ok: bool,
     ) -> None:
-        """The stage below's ``on_row`` hook of a sharded load: cache row ``offset + j`` of ``dst`` if it loaded
-        (copied into a slot, within the capacity), then call the caller's ``on_row``. Never raises."""
+        """The stage below's ``on_row`` hook of a sharded load started in ``generation``: cache row ``offset + j`` of
+        ``dst`` if it loaded (copied into a slot, within the capacity), then call the caller's ``on_row``. Never
+        raises."""
         i = offset + j
         if ok:
             try:
-                self._insert_copy(keys[i], dst[i])
+                self._insert_copy(keys[i], dst[i], generation)
             except Exception:
                 logger.exception("cache store: caching a block loaded from the stage below failed")
         call_on_row(on_row, i, ok)
 
-    def _insert_copy(self, key: bytes, row: torch.Tensor) -> None:
-        """Cache a copy of ``row`` (a block just validated by the stage below) as ``key``'s entry, stored below;
-        nothing when the key is cached already, the store is closed or no slot can be had."""
+    def _insert_copy(self, key: bytes, row: torch.Tensor, generation: int) -> None:
+        """Cache a copy of ``row`` (a block just validated by the stage below, read in ``generation``) as ``key``'s
+        entry, stored below; nothing when the key is cached already, the store is closed, :meth:`drop_cached` ran
+        since the read started or no slot can be had."""
         with self._lock:
-            if self._closed or key in self._entries:
+            if self._closed or key in self._entries or generation != self._generation:
                 return
             slot = self._take_slot(row.numel())
         if slot is None:
@@ -669,7 +771,7 @@ class CacheStore(UcmKVStoreBase):
                 self._release_slot(slot)
             raise
         with self._lock:
-            self._promote_slot(key, slot)
+            self._promote_slot(key, slot, generation)
 
     def _finish_sharded_safely(self, num_keys: int, reads: list[_Read], result: Future[TaskResult]) -> None:
         """Complete a sharded load: wait for the stage below (whose rows were promoted by :meth:`_promote_row`
@@ -694,7 +796,12 @@ class CacheStore(UcmKVStoreBase):
                 result.set_result(TaskResult(num_keys, frozenset(i for read in reads for i in read.indices)))
 
     def _start_reads(
-        self, keys: Sequence[bytes], dst: torch.Tensor, misses: list[int], slots: list[torch.Tensor | None]
+        self,
+        keys: Sequence[bytes],
+        dst: torch.Tensor,
+        misses: list[int],
+        slots: list[torch.Tensor | None],
+        generation: int,
     ) -> list[_Read]:
         """Start the loads of ``misses`` from the stage below: each miss with a slot into its slot, the others into
         ``dst``, one load per run of consecutive rows. A load the stage below refuses to start fails its rows."""
@@ -702,9 +809,9 @@ class CacheStore(UcmKVStoreBase):
         reads: list[_Read] = []
         for i, slot in zip(misses, slots, strict=True):
             if slot is not None:
-                reads.append(_Read(None, [i], slot))
+                reads.append(_Read(None, [i], slot, generation))
         for a, b in _runs([i for i, slot in zip(misses, slots, strict=True) if slot is None]):
-            reads.append(_Read(None, list(range(a, b))))
+            reads.append(_Read(None, list(range(a, b)), generation=generation))
         for read in reads:
             a, b = read.indices[0], read.indices[-1] + 1
             buf = read.slot.view(1, -1) if read.slot is not None else dst[a:b]
@@ -775,6 +882,6 @@ class CacheStore(UcmKVStoreBase):
                 slot, read.slot = read.slot, None
                 key = keys[read.indices[0]]
                 if ok:
-                    self._promote_slot(key, slot)
+                    self._promote_slot(key, slot, read.generation)
                 else:
                     self._release_slot(slot)

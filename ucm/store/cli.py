@@ -51,7 +51,17 @@ from ucm.store.codecs import CODEC_KVFOLD, CODEC_RAW
 from ucm.store.posix.files import remove_if_unchanged
 from ucm.store.posix.format import FILE_SUFFIX, FORMAT_VERSION, HEADER, HEADER_NBYTES, MAGIC, NAMESPACE_DIR
 from ucm.store.posix.psync import read_encoded, read_validated
-from ucm.store.posix.scan import DEFAULT_TMP_AGE_S, Deletion, FileInfo, StoreScan, delete_files, gc_plan, scan_store
+from ucm.store.posix.scan import (
+    DEFAULT_TMP_AGE_S,
+    Deletion,
+    FileInfo,
+    StoreScan,
+    delete_files,
+    gc_plan,
+    read_namespace_tag,
+    scan_store,
+)
+from ucm.store.posix.scan import open_noatime as _open_noatime
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -112,23 +122,6 @@ def resolve_dirs(storage_backends: str | None, config: str | None) -> list[str]:
     return dirs
 
 
-def read_namespace_tag(path: str) -> int | None:
-    """The namespace tag in the header of the block file at ``path`` (0: not set); ``None`` when the file is not a
-    readable UCM block file of this format version."""
-    try:
-        fd = _open_noatime(path)
-        try:
-            head = os.pread(fd, HEADER_NBYTES, 0)
-        finally:
-            os.close(fd)
-    except OSError:
-        return None
-    if len(head) != HEADER_NBYTES:
-        return None
-    magic, version, _codec, tag, _nbytes, _key, _checksum = HEADER.unpack(head)
-    return tag if (magic, version) == (MAGIC, FORMAT_VERSION) else None
-
-
 def namespace_infos(dirs: Sequence[str]) -> dict[int, dict[str, Any]]:
     """The namespace descriptions found in ``<dir>/namespaces/*.json``, by tag (unreadable files are skipped)."""
     infos: dict[int, dict[str, Any]] = {}
@@ -187,17 +180,6 @@ def store_stats(scan: StoreScan) -> dict[str, Any]:
         "by_namespace": by_namespace,
         "by_payload_size": by_size,
     }
-
-
-def _open_noatime(path: str) -> int:
-    """Open ``path`` read-only without updating its atime where allowed (``O_NOATIME`` needs file ownership)."""
-    noatime = getattr(os, "O_NOATIME", 0)
-    if noatime:
-        try:
-            return os.open(path, os.O_RDONLY | noatime)
-        except PermissionError:
-            pass
-    return os.open(path, os.O_RDONLY)
 
 
 def verify_file(path: str) -> tuple[str | None, os.stat_result]:

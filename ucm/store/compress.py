@@ -38,6 +38,7 @@ loads); each dump task is run by one of a few coordinator threads. With ``UC_LOG
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import threading
 import time
@@ -50,9 +51,18 @@ import torch
 
 from ucm.affinity import thread_pool
 from ucm.logger import init_logger
-from ucm.store.base import EncodedBlock, EncodedStore, Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+from ucm.store.base import (
+    EncodedBlock,
+    EncodedStore,
+    Removal,
+    Task,
+    TaskResult,
+    UcmKVStoreBase,
+    check_keys_and_buffer,
+)
 from ucm.store.codecs import CODEC_KVFOLD, CODEC_RAW, decode_into, max_encoded_nbytes
 from ucm.store.kvfold import DEFAULT_GROUP, KVGeometry, Mode, decode_block, encode_block
+from ucm.store.observe import Observation, Recorder, current_requests
 
 logger = init_logger(__name__)
 
@@ -203,9 +213,31 @@ class CompressStore(UcmKVStoreBase):
                 self._passthrough = None
         self._inner.set_namespace(tag, info)
 
+    def set_recorder(self, recorder: Recorder) -> None:
+        """Record this stage's loads and dumps (tier ``compress``: canonical bytes, and the compressed bytes as
+        ``stored_nbytes``) and pass ``recorder`` down."""
+        self._recorder = recorder
+        self._inner.set_recorder(recorder)
+
+    def gauges(self) -> dict[str, float]:
+        """The stage below's (this stage's ratio is counted from its observations)."""
+        return self._inner.gauges()
+
     def prepare(self, block_nbytes: int) -> None:
         """Pass the block size down (this stage's buffers are per stored block, sized as they come)."""
         self._inner.prepare(block_nbytes)
+
+    def drop_cached(self) -> int:
+        """Passed down: this stage keeps no blocks in memory."""
+        return self._inner.drop_cached()
+
+    def remove_stored(self, *, keys: Sequence[bytes] | None = None, namespace: bytes | None = None) -> Removal:
+        """Passed down to the stage below (see :meth:`~ucm.store.base.UcmKVStoreBase.remove_stored`).
+
+        Raises:
+            TypeError / ValueError: bad arguments (see :func:`~ucm.store.base.check_removal`).
+        """
+        return self._inner.remove_stored(keys=keys, namespace=namespace)
 
     def flush(self) -> None:
         """Wait for the tasks started so far, then for the stage below."""
@@ -242,7 +274,9 @@ class CompressStore(UcmKVStoreBase):
                 raise RuntimeError("CompressStore is closed")
             if not keys:
                 return Task.completed(TaskResult(0))
-            future: Future[TaskResult] = self._coord.submit(self._guarded, fn, next(self._ids), keys, buf)
+            # In the caller's context: observations of this task and of the stage below name the caller's requests.
+            run = contextvars.copy_context().run
+            future: Future[TaskResult] = self._coord.submit(run, self._guarded, fn, next(self._ids), keys, buf)
             self._pending.add(future)
         future.add_done_callback(self._forget)
         return Task(future)
@@ -316,6 +350,20 @@ class CompressStore(UcmKVStoreBase):
             len(failed),
             (time.perf_counter() - t0) * 1e3,
         )
+        if self._recorder.enabled:
+            stored = [j for j, i in enumerate(written) if i not in failed]
+            self._recorder.record(
+                Observation(
+                    "dump",
+                    "compress",
+                    n,
+                    n - len(failed),
+                    len(stored) * src.shape[1],
+                    stored_nbytes=sum(len(payloads[j]) for j in stored),
+                    seconds=time.perf_counter() - t0,
+                    requests=current_requests(),
+                )
+            )
         return TaskResult(n, frozenset(failed))
 
     def _log_error(self, row: torch.Tensor, container: bytes) -> None:
@@ -341,6 +389,7 @@ class CompressStore(UcmKVStoreBase):
         n = len(keys)
         logger.debug("COMPRESS LOAD START | %d | %d blocks", task_id, n)
         stored = [0] * n
+        requests = current_requests()
 
         def decode(i: int, block: EncodedBlock) -> str | None:  # on the thread below that read block i
             with self._decode_slots:
@@ -382,6 +431,19 @@ class CompressStore(UcmKVStoreBase):
                 ok * dst.shape[1],
                 (time.perf_counter() - t0) * 1e3,
             )
+            if self._recorder.enabled:
+                self._recorder.record(
+                    Observation(
+                        "load",
+                        "compress",
+                        n,
+                        ok,
+                        ok * dst.shape[1],
+                        stored_nbytes=sum(stored[i] for i in range(n) if i not in result.failed),
+                        seconds=time.perf_counter() - t0,
+                        requests=requests,
+                    )
+                )
             future.set_result(result)
 
         with self._lock:

@@ -28,10 +28,18 @@ class BlockTransfer:
 
 @dataclass
 class UCMConnectorMetadata(KVConnectorMetadata):
-    """What the workers do this step: ``loads`` before the forward pass, ``dumps`` after it."""
+    """What the workers do this step: ``loads`` before the forward pass, ``dumps`` after it.
+
+    ``reset_epoch`` counts the scheduler's cache resets (vLLM's ``reset_prefix_cache`` with ``reset_external``);
+    a worker that sees it above its own empties its DRAM tier before anything else of the step, and with
+    ``clear_storage`` also deletes the blocks its unfinished dumps of the previous epoch wrote (see
+    :meth:`~ucm.integration.vllm.worker.UCMWorker.reset`).
+    """
 
     loads: list[BlockTransfer] = field(default_factory=list)
     dumps: list[BlockTransfer] = field(default_factory=list)
+    reset_epoch: int = 0
+    clear_storage: bool = False
 
 
 @dataclass
@@ -40,16 +48,19 @@ class UCMWorkerMetadata(KVConnectorWorkerMetadata):
     keys whose load failed (the store no longer holds them as they were: recomputed, they must be dumped again).
 
     The scheduler's process does not see the workers' DRAM tier; without ``stored_keys``, a block would only be
-    found once written back to storage. Keys are rank-independent (as in :class:`BlockTransfer`).
+    found once written back to storage. Keys are rank-independent (as in :class:`BlockTransfer`). ``reset_epoch``:
+    the worker's reset epoch when it stored them (the scheduler ignores keys stored before its last reset).
     """
 
     stored_keys: list[bytes] = field(default_factory=list)
     failed_keys: list[bytes] = field(default_factory=list)
+    reset_epoch: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Keep the keys every rank stored (a block is usable only when all its shards are) and the keys any rank
-        failed to load."""
+        """Keep the keys every rank stored (a block is usable only when all its shards are), the keys any rank
+        failed to load, and the oldest reset epoch."""
         assert isinstance(other, UCMWorkerMetadata)
         theirs = set(other.stored_keys)
         failed = list(dict.fromkeys([*self.failed_keys, *other.failed_keys]))
-        return UCMWorkerMetadata([k for k in self.stored_keys if k in theirs], failed)
+        epoch = min(self.reset_epoch, other.reset_epoch)
+        return UCMWorkerMetadata([k for k in self.stored_keys if k in theirs], failed, epoch)

@@ -1,23 +1,44 @@
 """UCM's ``vllm.general_plugins`` entry point: ``ucm_sparse = ucm.integration.vllm.plugin:register`` (pyproject).
 
-vLLM calls :func:`register` in every process (API/main, engine core, workers) before the model loads. It overrides
-the ``CPU_ATTN`` attention backend with UCM's wrapper (``ucm.integration.vllm.sparse_backend``), which is a pure
-pass-through unless ``ucm_sparse_config`` switches a method on. Idempotent. Other platforms: nothing registered in
-this version. ``VLLM_PLUGINS`` (a comma-separated allow-list) can exclude it by leaving out ``ucm_sparse``.
+vLLM calls :func:`register` in every process (API/main, engine core, workers) before the model loads. It
+
+- registers ``UCMConnector`` in vLLM's connector registry (``KVConnectorFactory``), so that code that resolves a
+  connector by its name alone finds it: vLLM's ``MultiConnector`` rebuilds each sub-connector's metrics from their
+  serialized form that way in the API server, where UCM's module is otherwise never imported (a
+  ``kv_connector_module_path`` still takes priority, and becomes optional);
+- on CPU, overrides the ``CPU_ATTN`` attention backend with UCM's wrapper (``ucm.integration.vllm.sparse_backend``),
+  a pure pass-through unless ``ucm_sparse_config`` switches a method on. Other platforms: no wrapper in this
+  version.
+
+Idempotent. ``VLLM_PLUGINS`` (a comma-separated allow-list) can exclude it by leaving out ``ucm_sparse``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "ucm_sparse"
 ENTRY_POINT = "ucm.integration.vllm.plugin:register"
+CONNECTOR_NAME = "UCMConnector"
+CONNECTOR_MODULE = "ucm.integration.vllm.ucm_connector"
+
+
+def register_connector() -> None:
+    """Register ``UCMConnector`` (lazily: its module is imported on first use) unless a connector of that name is
+    registered already."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with contextlib.suppress(ValueError):  # "already registered": this process registered it before
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
 
 
 def register() -> None:
-    """Install UCM's attention-backend wrapper for this platform (CPU: override ``CPU_ATTN``)."""
+    """Register UCM's connector; install UCM's attention-backend wrapper for this platform (CPU: override
+    ``CPU_ATTN``)."""
+    register_connector()
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

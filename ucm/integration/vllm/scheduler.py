@@ -1,7 +1,17 @@
-"""Scheduler side of UCMConnector: block keys, lookups, and the per-step load/dump plan. No tensors."""
+"""Scheduler side of UCMConnector: block keys, lookups, and the per-step load/dump plan. No tensors.
+
+Cache reset (vLLM's ``reset_prefix_cache`` with ``reset_external``, e.g. ``POST
+/reset_prefix_cache?reset_external=true`` on ``vllm serve``): :meth:`UCMScheduler.reset` forgets the keys the
+workers reported stored, empties the DRAM tier this process can reach (the workers' own, when vLLM runs them in this
+process) and, with ``reset_clears_storage``, deletes this model's block files at once; the next step's metadata
+carries the new reset epoch, on which each worker empties its DRAM tier before loading anything (see
+:meth:`UCMWorker.reset <ucm.integration.vllm.worker.UCMWorker.reset>`). A reset racing with loads and dumps never
+yields wrong KV: a block it removes is a miss for a load planned before it, which vLLM recomputes.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +23,7 @@ from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.logger import init_logger
 from ucm.store.base import UcmKVStoreBase, tiered_lookup
+from ucm.store.observe import NO_RECORDER, Observation, Recorder
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -87,10 +98,14 @@ class UCMScheduler:
         self._tp_size = tp_size
         self._dp_suffix = "" if dp_rank is None else f", dp rank: {dp_rank}"
         self._requests: dict[str, _RequestState] = {}
+        self.recorder: Recorder = NO_RECORDER  # where each request's first lookup is recorded (ucm.store.observe)
         # Keys the workers reported as stored (their DRAM tier is invisible from this process), most recent last.
         # Bounded: older keys have been written back to storage by the time they fall out.
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._recent_capacity = max(4096, 2 * config.store.cache_buffer_capacity_bytes // max(1, spec.block_nbytes))
+        self._clears_storage = config.reset_clears_storage
+        self._reset_epoch = 0  # resets so far; sent to the workers with every step's metadata
+        self._reset_unsent = False  # a reset the workers have not been told of yet
 
     def _keys(self, request: Request) -> list[bytes]:
         tokens = request.prompt_token_ids
@@ -101,8 +116,11 @@ class UCMScheduler:
         num_blocks = len(tokens) // self._block_size
         return block_keys(seed, tokens, self._block_size, _mm_block_extras(request, num_blocks, self._block_size))
 
-    def add_stored_keys(self, keys: Sequence[bytes]) -> None:
-        """Record keys the workers stored this step (from ``UCMWorkerMetadata``)."""
+    def add_stored_keys(self, keys: Sequence[bytes], reset_epoch: int | None = None) -> None:
+        """Record keys the workers stored this step (from ``UCMWorkerMetadata``); ignored when stored in a reset
+        epoch before the current one (``reset_epoch``; None: the current one)."""
+        if reset_epoch is not None and reset_epoch < self._reset_epoch:
+            return
         for key in rank_keys(keys, 0, self._tp_size):
             self._recent[key] = None
             self._recent.move_to_end(key)
@@ -124,9 +142,54 @@ class UCMScheduler:
                 state.next_dump = min(state.next_dump, first)
         logger.debug("%d blocks failed to load; they will be dumped again once recomputed", len(failed))
 
+    def reset(self) -> bool:
+        """Reset UCM's caches (vLLM's ``reset_prefix_cache`` with ``reset_external``; see the module docstring).
+
+        Forgets the keys the workers reported stored, empties the DRAM tier this process holds and bumps the reset
+        epoch, which the next step's metadata takes to the workers. With ``reset_clears_storage``, also deletes
+        every block file of this model's namespace from storage now, and reports no stored prefix to requests until
+        the workers have been told (they delete what their unfinished dumps write meanwhile). Logs one info line.
+
+        Returns:
+            True when done; False when some block files could not be deleted (a warning names the first).
+        """
+        forgotten = len(self._recent)
+        self._recent.clear()
+        self._reset_epoch += 1
+        self._reset_unsent = True
+        dropped = self._store.drop_cached()
+        if not self._clears_storage:
+            logger.info(
+                "cache reset: forgot %d blocks the workers stored, dropped %d from this process's DRAM tier; the "
+                "workers empty theirs at the next step; storage kept (reset_clears_storage: false)",
+                forgotten,
+                dropped,
+            )
+            return True
+        removal = self._store.remove_stored(namespace=self._namespace)
+        logger.info(
+            "cache reset: forgot %d blocks the workers stored, dropped %d from this process's DRAM tier; the workers "
+            "empty theirs at the next step; removed %d block files (%.1f MiB) of this model from storage "
+            "(reset_clears_storage: true)",
+            forgotten,
+            dropped,
+            removal.blocks,
+            removal.nbytes / 2**20,
+        )
+        if removal.errors:
+            logger.warning(
+                "cache reset: %d block files or directories could not be cleared, e.g. %s",
+                len(removal.errors),
+                removal.errors[0],
+            )
+        return not removal.errors
+
     def _lookup(self, keys: list[bytes]) -> int:
         """Leading keys present: reported by the workers, or found by the store. With tensor parallelism each rank
-        stores its shard under its own key; rank 0's stand for all (ranks dump the same blocks in the same step)."""
+        stores its shard under its own key; rank 0's stand for all (ranks dump the same blocks in the same step).
+        0 while a storage-clearing reset is on its way to the workers."""
+        if self._reset_unsent and self._clears_storage:
+            return 0
         return tiered_lookup(rank_keys(keys, 0, self._tp_size), self._recent.__contains__, self._store)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -139,6 +202,7 @@ class UCMScheduler:
         blocks, then ``, dp rank: ..`` in a data-parallel engine); a later call (the request was not scheduled, or
         was preempted) looks up again.
         """
+        t0 = time.perf_counter()
         state = self._requests.get(request.request_id)
         params = request.kv_transfer_params or {}
         if state is None:
@@ -159,6 +223,18 @@ class UCMScheduler:
             num_external = max(num_external, 0)
         if not state.logged:
             state.logged = True
+            if self.recorder.enabled:
+                self.recorder.record(
+                    Observation(
+                        "lookup",
+                        "all",
+                        max(0, len(state.keys) - num_hbm),
+                        max(0, state.num_stored - num_hbm) if self._load else 0,
+                        seconds=time.perf_counter() - t0,
+                        tokens=num_external,
+                        requests=(request.request_id,),
+                    )
+                )
             expected = params.get(PREFILL_BLOCKS)
             if self._load and isinstance(expected, int) and state.num_stored < expected:
                 logger.warning(
@@ -200,7 +276,8 @@ class UCMScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UCMConnectorMetadata:
         """The loads and dumps of this step. Dumps cover prompt blocks that become full in this step."""
-        meta = UCMConnectorMetadata()
+        meta = UCMConnectorMetadata(reset_epoch=self._reset_epoch, clear_storage=self._clears_storage)
+        self._reset_unsent = False
         scheduled: list[tuple[str, int, list[int] | None, bool]] = []
         for new in scheduler_output.scheduled_new_reqs:
             scheduled.append((new.req_id, new.num_computed_tokens, list(new.block_ids[0]), True))

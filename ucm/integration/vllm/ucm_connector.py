@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ucm.config import UcmConfig, UcmConfigError, config_from_extra_config
 from ucm.integration.vllm.engine_info import data_parallel_rank, detect_layout, kv_spec, namespace
 from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
+from ucm.integration.vllm.metrics import Observability, UCMConnectorStats, UCMPromMetrics
 from ucm.integration.vllm.scheduler import UCMScheduler
 from ucm.integration.vllm.version import check_vllm_metadata
 from ucm.integration.vllm.worker import UCMWorker, load_buffer_blocks
@@ -40,6 +41,12 @@ from ucm.store.pipeline import release_shared_store, shared_store
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -109,6 +116,10 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         load, dump = kv_role in ("kv_both", "kv_consumer"), kv_role in ("kv_both", "kv_producer")
         # A kv_consumer only loads: it may serve from a read-only store (e.g. a read-only mount of the shared dir).
         self._require_writable = dump
+        # Metrics (vLLM's /metrics) and traces: see ucm.integration.vllm.metrics.
+        self._obs = Observability(
+            self._ucm_config, self._spec.block_size, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        )
         self._store = shared_store(self._ucm_config.store, self._require_writable)
         self._closed = False
 
@@ -129,6 +140,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 dp_rank=data_parallel_rank(vllm_config),
             )
+            self._scheduler.recorder = self._obs.recorder
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -148,12 +160,19 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 layerwise=self._ucm_config.use_layerwise,
                 load_buffer_blocks=buffer_blocks,
             )
+            self._store.set_recorder(self._obs.recorder)
 
     # ---------------------------------------------------------------- worker side
     def _meta(self) -> UCMConnectorMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, UCMConnectorMetadata)
         return meta
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The first call of every step on the worker: a cache reset the scheduler sent is applied before any load.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, UCMConnectorMetadata):
+            self._worker.reset(connector_metadata)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -193,6 +212,27 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
         release_shared_store(self._ucm_config.store, self._require_writable)
+        self._obs.close()
+
+    # ------------------------------------------------------------- metrics (both sides)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # Worker: loads, dumps and the store's levels since the last step; scheduler: lookups. vLLM aggregates both.
+        gauges = self._store.gauges() if self._worker is not None else None
+        return self._obs.stats.take(gauges)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return UCMConnectorStats(data=data) if data is not None else UCMConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -210,8 +250,15 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, UCMWorkerMetadata):
-            self._scheduler.add_stored_keys(meta.stored_keys)
+            self._scheduler.add_stored_keys(meta.stored_keys, meta.reset_epoch)
             self._scheduler.forget_failed_keys(meta.failed_keys)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset of external caches (``reset_prefix_cache(reset_connector=True)``, e.g. ``POST
+        /reset_prefix_cache?reset_external=true``): see :meth:`UCMScheduler.reset
+        <ucm.integration.vllm.scheduler.UCMScheduler.reset>`. ``None`` on the worker side (vLLM calls the
+        scheduler's)."""
+        return self._scheduler.reset() if self._scheduler is not None else None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Dumps are gathered during the step that fills a block, so blocks can be freed at once. A prefill for

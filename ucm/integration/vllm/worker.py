@@ -17,6 +17,9 @@ Layerwise (``use_layerwise: true``), per step:
 - ``save_kv_layer(layer i)``, called right after layer i's attention, gathers layer i of the step's newly full
   blocks into the dump's staging buffer; ``wait_for_save`` gathers any layer not seen and hands the buffer to the
   store, as blockwise does. The stored bytes are the same in both modes, so either reads what the other wrote.
+
+Cache reset: a step whose metadata carries a newer ``reset_epoch`` than the worker's starts with :meth:`UCMWorker.reset`
+(called from the connector's ``bind_connector_metadata``, before the step's loads).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_
 from ucm.logger import init_logger
 from ucm.sparse import invalidate_blocks
 from ucm.store.base import Task, UcmKVStoreBase
+from ucm.store.observe import requests_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -120,7 +124,8 @@ class UCMWorker:
         self._kv_caches: list[torch.Tensor] = []
         self._layout: KVLayout | None = None
         self._load_errors: set[int] = set()
-        self._pending_dumps: list[tuple[Task, torch.Tensor, int]] = []
+        self._pending_dumps: list[tuple[Task, torch.Tensor, list[bytes]]] = []  # (task, src rows, store keys)
+        self._reset_epoch = 0
         self._stored_keys: list[bytes] = []
         self._failed_keys: list[bytes] = []
         self._load_buffer: torch.Tensor | None = None
@@ -208,7 +213,9 @@ class UCMWorker:
         t0 = time.perf_counter()
         staging = self._load_staging(len(keys))
         rows = staging.view(torch.uint8).view(len(keys), -1)
-        result = self._store.wait(self._store.load(rank_keys(keys, self._tp_rank, self._tp_size), rows))
+        with requests_of([t.req_id for t in meta.loads]):  # named in the stages' observations
+            task = self._store.load(rank_keys(keys, self._tp_rank, self._tp_size), rows)
+        result = self._store.wait(task)
         t1 = time.perf_counter()
         ok = [i for i in range(len(keys)) if i not in result.failed]
         if result.failed:
@@ -260,7 +267,8 @@ class UCMWorker:
         rows = staging.view(torch.uint8).view(len(keys), -1)
         ranked = rank_keys(keys, self._tp_rank, self._tp_size)
         logger.debug("dumping %d blocks: vLLM block ids %s", len(keys), block_ids)
-        task = self._store.dump(ranked, rows)
+        with requests_of([t.req_id for t in meta.dumps]):
+            task = self._store.dump(ranked, rows)
         if any(t.durable for t in meta.dumps):
             # A prefill for another instance: its response must not leave before the blocks are in storage.
             t_wait = time.perf_counter()
@@ -271,7 +279,7 @@ class UCMWorker:
             logger.debug("durable dump of %d blocks: waited %.1f ms", len(keys), (time.perf_counter() - t_wait) * 1e3)
         else:
             # Keep the staging buffer alive until the store has finished with it.
-            self._pending_dumps.append((task, rows, len(keys)))
+            self._pending_dumps.append((task, rows, ranked))
         # Blocks the store can already serve (e.g. copied into the DRAM tier), reported to the scheduler.
         start = 0
         for t in meta.dumps:
@@ -288,7 +296,8 @@ class UCMWorker:
         staging = self._load_staging(len(keys))
         rows = staging.view(torch.uint8).view(len(keys), -1)
         t0 = time.perf_counter()
-        task = self._store.load_sharded(rank_keys(keys, self._tp_rank, self._tp_size), rows, len(self._kv_caches))
+        with requests_of([t.req_id for t in meta.loads]):
+            task = self._store.load_sharded(rank_keys(keys, self._tp_rank, self._tp_size), rows, len(self._kv_caches))
         device = self._kv_caches[0].device
         ids = torch.tensor(block_ids, dtype=torch.int64).to(device)
         self._layer_load = _LayerLoad(task, keys, block_ids, ids, staging, t0)
@@ -373,21 +382,53 @@ class UCMWorker:
         dump.gathered[layer] = True
 
     def _reap_dumps(self, block: bool) -> None:
-        still: list[tuple[Task, torch.Tensor, int]] = []
-        for task, rows, n in self._pending_dumps:
+        still: list[tuple[Task, torch.Tensor, list[bytes]]] = []
+        for task, rows, keys in self._pending_dumps:
             if block or task.done():
                 result = task.result()
                 if result.failed:
-                    logger.warning("%d of %d blocks were not stored", len(result.failed), n)
+                    logger.warning("%d of %d blocks were not stored", len(result.failed), len(keys))
             else:
-                still.append((task, rows, n))
+                still.append((task, rows, keys))
         self._pending_dumps = still
+
+    def reset(self, meta: UCMConnectorMetadata) -> None:
+        """Start a step: when ``meta.reset_epoch`` is newer than the worker's (the scheduler reset UCM's caches, see
+        :meth:`UCMScheduler.reset <ucm.integration.vllm.scheduler.UCMScheduler.reset>`), empty the DRAM tier before
+        the step loads anything. A no-op otherwise.
+
+        First waits for the dumps still being written back (so none lands in DRAM or storage after the reset
+        unnoticed), then drops every cached block; with ``meta.clear_storage`` also deletes the block files of the
+        dumps that may have landed after the scheduler cleared the storage (those not seen finished when the
+        previous step started, and that step's). Keys stored before the reset and not yet reported are not
+        reported. Logs one info line.
+        """
+        if meta.reset_epoch <= self._reset_epoch:
+            return
+        self._reset_epoch = meta.reset_epoch
+        self._finish_layer_load()  # none is left from an earlier step; this only guards against a missed end
+        # Dumps not seen finished when the last step started, or started by it: the only ones that may have landed
+        # after the scheduler cleared the storage (between two steps).
+        unfinished = [k for _, _, keys in self._pending_dumps for k in keys]
+        self._reap_dumps(block=True)
+        self._store.flush()  # write-backs and read-through promotions of earlier loads and dumps
+        dropped = self._store.drop_cached()
+        self._stored_keys = []
+        removed = ""
+        if meta.clear_storage and unfinished:
+            removal = self._store.remove_stored(keys=unfinished)
+            removed = f"; removed {removal.blocks} block files written back since the storage was cleared"
+            if removal.errors:
+                logger.warning(
+                    "cache reset: %d block files could not be removed, e.g. %s", len(removal.errors), removal.errors[0]
+                )
+        logger.info("cache reset: dropped %d blocks from the DRAM tier%s", dropped, removed)
 
     def take_worker_meta(self) -> UCMWorkerMetadata | None:
         """Keys stored and keys that failed to load since the last call, for the scheduler (``None``: none)."""
         if not self._stored_keys and not self._failed_keys:
             return None
-        meta = UCMWorkerMetadata(self._stored_keys, self._failed_keys)
+        meta = UCMWorkerMetadata(self._stored_keys, self._failed_keys, self._reset_epoch)
         self._stored_keys, self._failed_keys = [], []
         return meta
 

@@ -26,6 +26,7 @@ import torch
 from ucm.logger import init_logger
 from ucm.store.base import FOREIGN
 from ucm.store.codecs import CODEC_RAW
+from ucm.store.observe import NO_RECORDER, Observation, Recorder
 from ucm.store.posix.direct import AlignedBuffers
 from ucm.store.posix.format import DIR_MODE, block_file_path, dir_of, pack_header, temp_file_path
 
@@ -157,6 +158,7 @@ class BlockFiles:
         self.direct = direct
         self.faults = FaultLog()
         self.ns_tag = 0  # the namespace tag written into the headers from now on (0: not set)
+        self.recorder: Recorder = NO_RECORDER  # where failed loads are recorded, with their cause
         self._on_written = on_written
         # The filesystem each directory is on at start: a directory found on another one later was unmounted (its
         # mount point shows) and is not written to until it is back.
@@ -217,13 +219,16 @@ class BlockFiles:
         the key's success."""
         if isinstance(reason, FileNotFoundError):
             logger.debug("posix store: block %s not found at %s", key.hex(), path)
+            self._record_failure(key, "missing")
             return False
         if isinstance(reason, OSError):
             self.faults.failed("read", reason, f"block file {path}", "treating it as a miss")
+            self._record_failure(key, "io_error")
             return False
         self.faults.succeeded("read")
         if reason is not None:
             kept = reason.startswith(FOREIGN)
+            self._record_failure(key, "foreign" if kept else "damaged")
             if not kept and stat is not None:
                 remove_if_unchanged(path, stat)
             logger.warning(
@@ -234,3 +239,8 @@ class BlockFiles:
             )
             return False
         return True
+
+    def _record_failure(self, key: bytes, cause: str) -> None:
+        """Record one block that failed to load, and why (:data:`ucm.store.observe.FAILURE_CAUSES`)."""
+        if self.recorder.enabled:
+            self.recorder.record(Observation("load_failure", "storage", 1, cause=cause, key=key.hex()))

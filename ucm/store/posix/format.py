@@ -57,6 +57,8 @@ DIR_MODE = 0o700
 FILE_SUFFIX = ".ucmb"
 TMP_SUFFIX = ".tmp"
 NAMESPACE_DIR = "namespaces"
+# Subdirectory of the first storage directory that holds the traces of enable_record_traces by default (not blocks).
+TRACES_DIR = "traces"
 # magic, version, codec, namespace tag, payload nbytes, key, checksum
 HEADER = struct.Struct("<4sHHIQ16sQ")
 HEADER_NBYTES = HEADER.size  # 44

@@ -38,7 +38,16 @@ from dataclasses import dataclass, field
 
 from ucm.affinity import daemon_thread
 from ucm.logger import init_logger
-from ucm.store.posix.format import FILE_SUFFIX, NAMESPACE_DIR, TMP_SUFFIX
+from ucm.store.posix.format import (
+    FILE_SUFFIX,
+    FORMAT_VERSION,
+    HEADER,
+    HEADER_NBYTES,
+    MAGIC,
+    NAMESPACE_DIR,
+    TMP_SUFFIX,
+    TRACES_DIR,
+)
 
 logger = init_logger(__name__)
 
@@ -79,15 +88,15 @@ class StoreScan:
 
 
 def _walk_files(root: str) -> Iterator[os.DirEntry[str]]:
-    """Regular files under ``root``, recursively, except ``root/namespaces/``; symlinks are neither followed nor
-    listed."""
+    """Regular files under ``root``, recursively, except ``root/namespaces/`` and ``root/traces/``; symlinks are
+    neither followed nor listed."""
     stack = [root]
-    skip = os.path.join(root, NAMESPACE_DIR)
+    skip = {os.path.join(root, NAMESPACE_DIR), os.path.join(root, TRACES_DIR)}
     while stack:
         with contextlib.suppress(FileNotFoundError), os.scandir(stack.pop()) as it:
             for entry in it:
                 if entry.is_dir(follow_symlinks=False):
-                    if entry.path != skip:
+                    if entry.path not in skip:
                         stack.append(entry.path)
                 elif entry.is_file(follow_symlinks=False):
                     yield entry
@@ -165,6 +174,43 @@ def delete_files(
     return result
 
 
+def open_noatime(path: str) -> int:
+    """Open ``path`` read-only without updating its atime where allowed (``O_NOATIME`` needs file ownership).
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    noatime = getattr(os, "O_NOATIME", 0)
+    if noatime:
+        try:
+            return os.open(path, os.O_RDONLY | noatime)
+        except PermissionError:
+            pass
+    return os.open(path, os.O_RDONLY)
+
+
+def read_namespace_tag(path: str) -> int | None:
+    """The namespace tag in the header of the block file at ``path`` (0: not set); ``None`` when the file is not a
+    readable UCM block file of this format version."""
+    try:
+        fd = open_noatime(path)
+        try:
+            head = os.pread(fd, HEADER_NBYTES, 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    if len(head) != HEADER_NBYTES:
+        return None
+    magic, version, _codec, tag, _nbytes, _key, _checksum = HEADER.unpack(head)
+    return tag if (magic, version) == (MAGIC, FORMAT_VERSION) else None
+
+
+def namespace_blocks(scan: StoreScan, tag: int) -> list[FileInfo]:
+    """The block files of ``scan`` whose header names namespace ``tag`` (reads each block's header)."""
+    return [f for f in scan.blocks if read_namespace_tag(f.path) == tag]
+
+
 @dataclass(frozen=True)
 class GcResult:
     """Outcome of one :meth:`Collector.collect` pass (sizes in bytes).
@@ -204,6 +250,8 @@ class Collector:
         self._usage_lock = threading.Lock()
         self._usage_estimate = 0
         self._written_since_scan = 0
+        self._deleted_blocks = 0  # block files removed by this collector since start
+        self._deleted_bytes = 0
         self._gc_lock = threading.Lock()  # one collection at a time in this process
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -224,14 +272,26 @@ class Collector:
 
     def account_write(self, nbytes: int) -> None:
         """Count a block file of ``nbytes`` bytes written by this process; wake the thread above the capacity."""
-        if self._capacity is None:
-            return
         with self._usage_lock:
             self._usage_estimate += nbytes
             self._written_since_scan += nbytes
-            over = self._usage_estimate > self._capacity
+            over = self._capacity is not None and self._usage_estimate > self._capacity
         if over:
             self._wakeup.set()
+
+    def gauges(self) -> dict[str, float]:
+        """For metrics: ``storage:used_bytes`` (block bytes found by the last scan, minus what it removed, plus this
+        process's writes since), ``storage:capacity_bytes`` (with a capacity), ``storage:evicted_blocks_total`` /
+        ``storage:evicted_bytes_total`` (removed by this collector's garbage collection since start)."""
+        with self._usage_lock:
+            gauges = {
+                "storage:used_bytes": float(self._usage_estimate),
+                "storage:evicted_blocks_total": float(self._deleted_blocks),
+                "storage:evicted_bytes_total": float(self._deleted_bytes),
+            }
+        if self._capacity is not None:
+            gauges["storage:capacity_bytes"] = float(self._capacity)
+        return gauges
 
     def collect(self) -> GcResult:
         """Scan the directories, remove stale temp files and, above the capacity, least recently used block files
@@ -251,6 +311,8 @@ class Collector:
             blocks = delete_files(plan)
             with self._usage_lock:
                 self._usage_estimate = scan.block_bytes - blocks.bytes + self._written_since_scan
+                self._deleted_blocks += blocks.files
+                self._deleted_bytes += blocks.bytes
             return GcResult(scan.block_bytes, blocks, temps)
 
     def collect_logged(self) -> None:

@@ -52,6 +52,7 @@ import json
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -62,8 +63,10 @@ import torch
 from ucm.affinity import thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
+    EncodedBlock,
     EncodedStore,
     PayloadDecoder,
+    Removal,
     RowCallback,
     ShardProgress,
     Task,
@@ -72,14 +75,25 @@ from ucm.store.base import (
     call_on_row,
     check_keys,
     check_keys_and_buffer,
+    check_removal,
     check_shards,
     report_whole,
 )
+from ucm.store.observe import Observation, Op, Recorder, current_requests
 from ucm.store.posix import psync
 from ucm.store.posix.direct import DIRECT_ALIGN, AlignedBuffers, DirectBufferPool
 from ucm.store.posix.files import BlockFiles, DecodeTally, row_bytes
 from ucm.store.posix.format import DIR_MODE, FILE_MODE, NAMESPACE_DIR, TMP_SUFFIX, namespace_tag
-from ucm.store.posix.scan import DEFAULT_GC_INTERVAL_S, DEFAULT_TMP_AGE_S, Collector, GcResult
+from ucm.store.posix.scan import (
+    DEFAULT_GC_INTERVAL_S,
+    DEFAULT_TMP_AGE_S,
+    Collector,
+    FileInfo,
+    GcResult,
+    delete_files,
+    namespace_blocks,
+    scan_store,
+)
 from ucm.store.posix.sharded import ShardedRead, load_shards
 from ucm.store.posix.uring import AioEngine, Uring, resolve_on_error
 
@@ -165,6 +179,8 @@ class _Gather:
         self.future: Future[TaskResult] = Future()
         self._num_keys = num_keys
         self._what = what
+        # Called with the result just before it is set (an observation of the task; must not raise).
+        self.on_result: Callable[[TaskResult], None] | None = None
         self._on_finish = on_finish
         self._on_row = on_row
         self._remaining = num_keys
@@ -195,7 +211,13 @@ class _Gather:
                     self._on_finish()
                 except Exception:  # a bug in a log line must not hang the task
                     logger.exception("posix store: unexpected error finishing a %s", self._what)
-            self.future.set_result(TaskResult(self._num_keys, frozenset(self._failed)))
+            result = TaskResult(self._num_keys, frozenset(self._failed))
+            if self.on_result is not None:
+                try:
+                    self.on_result(result)
+                except Exception:
+                    logger.exception("posix store: unexpected error observing a %s", self._what)
+            self.future.set_result(result)
 
 
 class PosixStore(UcmKVStoreBase, EncodedStore):
@@ -310,6 +332,18 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         """Path of the file holding ``key``'s block (16-byte key), whether or not it exists."""
         return self._files.path(key)
 
+    def set_recorder(self, recorder: Recorder) -> None:
+        """Record this stage's loads and dumps (tier ``storage``) and each block that fails to load
+        (``load_failure``, with its cause) into ``recorder``."""
+        self._recorder = recorder
+        self._files.recorder = recorder
+
+    def gauges(self) -> dict[str, float]:
+        """``storage:used_bytes`` (block files in the writable directories at the last scan, plus this process's
+        writes since), ``storage:capacity_bytes`` (with ``capacity_bytes``), ``storage:evicted_blocks_total`` and
+        ``storage:evicted_bytes_total`` (removed by this process's garbage collection since start)."""
+        return self._collector.gauges()
+
     def encoded_store(self) -> EncodedStore:
         """This stage stores encoded payloads itself (:meth:`dump_encoded`, :meth:`load_encoded`)."""
         return self
@@ -359,6 +393,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             lambda aio, i, done: aio.load_start(keys[i], dst[i], done, tally),
             "load",
             lambda: self._log_decodes(tally, len(keys)),
+            nbytes_of=lambda _i: dst.shape[1],
         )
 
     def load_sharded(
@@ -399,6 +434,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             progress = ShardProgress(num_shards, len(keys))
         tally = DecodeTally()
         gather = _Gather(len(keys), "load", lambda: self._log_decodes(tally, len(keys)), on_row)
+        self._observe(gather, "load", lambda _i: dst.shape[1])
         per_read = max(1, -(-SHARDED_READ_BYTES // shard_nbytes))  # shards per read
         ranges = [(a, min(a + per_read, num_shards)) for a in range(0, num_shards, per_read)]
         reads = [ShardedRead(key, self.block_path(key), dst[i], len(ranges), tally) for i, key in enumerate(keys)]
@@ -425,6 +461,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             lambda i: psync.dump_one(self._files, keys[i], row_bytes(src[i])),
             lambda aio, i, done: aio.dump_start(keys[i], row_bytes(src[i]), done),
             "dump",
+            nbytes_of=lambda _i: src.shape[1],
         )
 
     def dump_encoded(
@@ -454,6 +491,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             lambda i: psync.dump_one(self._files, keys[i], views[i], codecs[i]),
             lambda aio, i, done: aio.dump_start(keys[i], views[i], done, codecs[i]),
             "dump",
+            nbytes_of=lambda i: views[i].nbytes,
         )
 
     def load_encoded(
@@ -483,13 +521,21 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         if max_nbytes < 1:
             raise ValueError(f"max_nbytes must be >= 1, got {max_nbytes}")
 
+        sizes = [0] * len(keys)  # payload bytes of each block handed over and used
+
+        def consume_sized(i: int, block: EncodedBlock) -> str | None:
+            reason = consume(i, block)
+            if reason is None:
+                sizes[i] = len(block.payload)
+            return reason
+
         def job(i: int) -> bool:
-            return psync.load_encoded_one(self._files, keys[i], i, max_nbytes, consume)
+            return psync.load_encoded_one(self._files, keys[i], i, max_nbytes, consume_sized)
 
         def aio_job(_aio: AioEngine, i: int, done: Future[bool]) -> None:  # on the pool threads for either engine
             done.set_result(job(i))
 
-        return self._submit_all(keys, job, aio_job, "load")
+        return self._submit_all(keys, job, aio_job, "load", nbytes_of=sizes.__getitem__)
 
     def set_namespace(self, tag: bytes, info: dict[str, Any]) -> None:
         """Tag the blocks dumped from now on with ``namespace_tag(tag)`` (header field) and describe the namespace
@@ -544,6 +590,43 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             self._uring.close()
         self._collector.stop()
 
+    def remove_stored(self, *, keys: Sequence[bytes] | None = None, namespace: bytes | None = None) -> Removal:
+        """Delete block files: those of ``keys``, or every block file under the storage directories whose header
+        carries ``namespace``'s tag (reads each block's header; files of other namespaces, untagged blocks, temp
+        files and namespace files are kept). Safe while other processes use the directories: a block deleted under
+        a reader is a miss for it, never wrong data. A read-only directory is not touched and is named in
+        :attr:`Removal.errors`, as is each file that could not be deleted.
+
+        Raises:
+            TypeError / ValueError: bad arguments (see :func:`~ucm.store.base.check_removal`).
+        """
+        check_removal(keys, namespace)
+        result = Removal()
+        files: list[FileInfo] = []
+        if keys is not None:
+            for key in keys:
+                path = self.block_path(key)
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    result.errors.append(f"{path}: {exc.strerror or exc}")
+                    continue
+                files.append(FileInfo(path, st.st_size, st.st_mtime_ns, st.st_mtime_ns))
+        else:
+            writable = [d for d in self._dirs if d not in self._read_only_dirs]
+            result.errors.extend(f"{d}: read-only storage directory, its blocks are kept" for d in self._read_only_dirs)
+            try:
+                assert namespace is not None  # check_removal: one of keys and namespace
+                files = namespace_blocks(scan_store(writable), namespace_tag(namespace))
+            except OSError as exc:
+                result.errors.append(f"{exc.filename}: cannot list: {exc.strerror or exc}")
+        deletion = delete_files(files)
+        result.blocks, result.nbytes = deletion.files, deletion.bytes
+        result.errors.extend(f"{path}: {reason}" for path, reason in deletion.errors)
+        return result
+
     def collect_garbage(self) -> GcResult:
         """Scan the directories, remove stale temp files and, above the capacity, least recently used block files
         down to ``GC_LOW_WATERMARK * capacity_bytes``. Runs in the maintenance thread; callable directly.
@@ -560,8 +643,9 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         keys: Sequence[bytes],
         job: Callable[[int], bool],
         aio_job: Callable[[AioEngine, int, Future[bool]], None],
-        what: str,
+        what: Op,
         on_finish: Callable[[], None] | None = None,
+        nbytes_of: Callable[[int], int] = lambda _i: 0,
     ) -> Task:
         """Run ``job(i)`` (psync: the whole transfer, returns success) or ``aio_job(engine, i, done)`` (aio: opens
         and queues the transfer; ``done`` is resolved by the job on an early failure, else by the io_uring reaper)
@@ -571,6 +655,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         if not keys:
             return Task.completed(TaskResult(0))
         gather = _Gather(len(keys), what, on_finish)
+        self._observe(gather, what, nbytes_of)
         aio = self._aio
         if aio is not None:
             with self._tasks_lock:
@@ -595,6 +680,26 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         """One job of :meth:`load_sharded`, on an I/O thread: shards ``[first, stop)`` of one key (see
         :func:`~ucm.store.posix.sharded.load_shards`). Never raises."""
         load_shards(self._files, read, first, stop, shard_nbytes, progress)
+
+    def _observe(self, gather: _Gather, op: Op, nbytes_of: Callable[[int], int]) -> None:
+        """Record ``gather``'s task as one observation (tier ``storage``) when it finishes: its keys, those that
+        succeeded, their bytes (``nbytes_of(i)``: key ``i``'s payload bytes), its time from now, the requests of the
+        caller's context."""
+        recorder = self._recorder
+        if not recorder.enabled:
+            return
+        t0 = time.perf_counter()
+        requests = current_requests()
+
+        def on_result(result: TaskResult) -> None:
+            ok = [i for i in range(result.num_keys) if i not in result.failed]
+            nbytes = sum(nbytes_of(i) for i in ok)
+            seconds = time.perf_counter() - t0
+            recorder.record(
+                Observation(op, "storage", result.num_keys, len(ok), nbytes, seconds=seconds, requests=requests)
+            )
+
+        gather.on_result = on_result
 
     def _log_decodes(self, tally: DecodeTally, num_keys: int) -> None:
         """End of a load: with KVfold files met, one debug line (blocks decoded), and the first lossy one logged once
