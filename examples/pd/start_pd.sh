@@ -65,10 +65,12 @@ TRANSFER_CONFIG='{
         "kv_connector_extra_config": {"UCM_CONFIG_FILE": "'"$UCM_CONFIG_FILE"'"}
     }'
 
-start_prefill() {  # port: the guide's step 2
+start_instance() {  # kind (prefill|decode), port, then the flags that differ: the guide's steps 2 and 3
+  local kind=$1 port=$2
+  shift 2
   setsid "$VLLM" serve "$MODEL" \
     --host 127.0.0.1 \
-    --port "$1" \
+    --port "$port" \
     --gpu-memory-utilization 0.92 \
     --data-parallel-size 1 \
     --tensor-parallel-size 1 \
@@ -77,34 +79,13 @@ start_prefill() {  # port: the guide's step 2
     --max-num-batched-tokens 2048 \
     --max-num-seqs 20 \
     --trust-remote-code \
-    --enforce-eager \
+    "$@" \
     "${SERVE_ARGS[@]}" \
     --kv-transfer-config \
-    "$TRANSFER_CONFIG" >"$LOG_DIR/prefill-$1.log" 2>&1 &
+    "$TRANSFER_CONFIG" >"$LOG_DIR/$kind-$port.log" 2>&1 &
   pgids+=($!)
   echo $! >>"$LOG_DIR/server_pgids"
-  echo "prefill instance on 127.0.0.1:$1 (log $LOG_DIR/prefill-$1.log)"
-}
-
-start_decode() {  # port: the guide's step 3
-  setsid "$VLLM" serve "$MODEL" \
-    --host 127.0.0.1 \
-    --port "$1" \
-    --gpu-memory-utilization 0.92 \
-    --data-parallel-size 1 \
-    --tensor-parallel-size 1 \
-    --seed 1024 \
-    --max-model-len 4096 \
-    --max-num-batched-tokens 2048 \
-    --max-num-seqs 20 \
-    --trust-remote-code \
-    --compilation-config '{"cudagraph_mode":"FULL_DECODE_ONLY"}' \
-    "${SERVE_ARGS[@]}" \
-    --kv-transfer-config \
-    "$TRANSFER_CONFIG" >"$LOG_DIR/decode-$1.log" 2>&1 &
-  pgids+=($!)
-  echo $! >>"$LOG_DIR/server_pgids"
-  echo "decode instance on 127.0.0.1:$1 (log $LOG_DIR/decode-$1.log)"
+  echo "$kind instance on 127.0.0.1:$port (log $LOG_DIR/$kind-$port.log)"
 }
 
 for port in "${PREFILL_PORTS[@]}" "${DECODE_PORTS[@]}" "$PROXY_PORT"; do
@@ -113,8 +94,10 @@ for port in "${PREFILL_PORTS[@]}" "${DECODE_PORTS[@]}" "$PROXY_PORT"; do
     exit 1
   fi
 done
-for port in "${PREFILL_PORTS[@]}"; do start_prefill "$port"; done
-for port in "${DECODE_PORTS[@]}"; do start_decode "$port"; done
+for port in "${PREFILL_PORTS[@]}"; do start_instance prefill "$port" --enforce-eager; done
+for port in "${DECODE_PORTS[@]}"; do
+  start_instance decode "$port" --compilation-config '{"cudagraph_mode":"FULL_DECODE_ONLY"}'
+done
 
 for port in "${PREFILL_PORTS[@]}" "${DECODE_PORTS[@]}"; do
   until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from typing import TypeVar
 
 import pytest
+import torch
 
 from tests.helpers import needs_aio
-from ucm.store.base import UcmKVStoreBase
+from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
 from ucm.store.posix import aio_unusable_reason
 
 S = TypeVar("S", bound=UcmKVStoreBase)
@@ -48,3 +51,43 @@ class Closer:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+class DictStore(UcmKVStoreBase):
+    """Fault-injection stage below: blocks in a dict; ``dump`` blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, torch.Tensor] = {}
+        self.release = threading.Event()
+        self.release.set()
+        self.dump_started = threading.Event()
+        self.dumped: list[bytes] = []
+        self.closed = False
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.blocks:
+            n += 1
+        return n
+
+    def load(self, keys: Sequence[bytes], dst: torch.Tensor) -> Task:
+        check_keys_and_buffer(keys, dst, "dst")
+        failed = set()
+        for i, key in enumerate(keys):
+            if key in self.blocks and self.blocks[key].numel() == dst.shape[1]:
+                dst[i].copy_(self.blocks[key])
+            else:
+                failed.add(i)
+        return Task.completed(TaskResult(len(keys), frozenset(failed)))
+
+    def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
+        check_keys_and_buffer(keys, src, "src")
+        self.dump_started.set()
+        assert self.release.wait(timeout=10), "test did not release the blocked dump"
+        for i, key in enumerate(keys):
+            self.blocks[key] = src[i].clone()
+            self.dumped.append(key)
+        return Task.completed(TaskResult(len(keys)))
+
+    def close(self) -> None:
+        self.closed = True

@@ -13,52 +13,12 @@ import torch
 
 import ucm.store.cache as cache_module
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from tests.store.helpers import Closer
-from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
+from tests.store.helpers import Closer, DictStore
+from ucm.store.base import Task, TaskResult, check_keys_and_buffer
 from ucm.store.cache import CacheStore
 from ucm.store.posix import PosixStore
 
 NBYTES = 100  # block size in these tests; capacities below are multiples of it plus slack
-
-
-class DictStore(UcmKVStoreBase):
-    """Fault-injection stage below: blocks in a dict; ``dump`` blocks until ``release`` is set."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[bytes, torch.Tensor] = {}
-        self.release = threading.Event()
-        self.release.set()
-        self.dump_started = threading.Event()
-        self.dumped: list[bytes] = []
-        self.closed = False
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.blocks:
-            n += 1
-        return n
-
-    def load(self, keys: Sequence[bytes], dst: torch.Tensor) -> Task:
-        check_keys_and_buffer(keys, dst, "dst")
-        failed = set()
-        for i, key in enumerate(keys):
-            if key in self.blocks and self.blocks[key].numel() == dst.shape[1]:
-                dst[i].copy_(self.blocks[key])
-            else:
-                failed.add(i)
-        return Task.completed(TaskResult(len(keys), frozenset(failed)))
-
-    def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
-        check_keys_and_buffer(keys, src, "src")
-        self.dump_started.set()
-        assert self.release.wait(timeout=10), "test did not release the blocked dump"
-        for i, key in enumerate(keys):
-            self.blocks[key] = src[i].clone()
-            self.dumped.append(key)
-        return Task.completed(TaskResult(len(keys)))
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def test_capacity_must_be_positive() -> None:

@@ -18,7 +18,7 @@ import torch
 
 import ucm.store.cache as cache_module
 from tests.store.blocks import make_blocks, make_keys, poisoned
-from tests.store.helpers import Closer
+from tests.store.helpers import Closer, DictStore
 from ucm.config import SUPPORTED_PIPELINES, UcmPipelineStoreConfig
 from ucm.store.base import Task, TaskResult, UcmKVStoreBase, check_keys_and_buffer
 from ucm.store.cache import CacheStore
@@ -38,18 +38,13 @@ def _block_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.ucmb") if not p.name.startswith("."))
 
 
-class HeldLoadStore(UcmKVStoreBase):
+class HeldLoadStore(DictStore):
     """Stage below whose loads complete when the test calls :meth:`finish` (a slow read, held deterministically)."""
 
     def __init__(self, blocks: dict[bytes, torch.Tensor]) -> None:
+        super().__init__()
         self.blocks = blocks
         self.held: list[tuple[list[bytes], torch.Tensor, Future[TaskResult]]] = []
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.blocks:
-            n += 1
-        return n
 
     def load(self, keys: Sequence[bytes], dst: torch.Tensor) -> Task:
         check_keys_and_buffer(keys, dst, "dst")
@@ -64,12 +59,6 @@ class HeldLoadStore(UcmKVStoreBase):
                 dst[i].copy_(self.blocks[key])
             future.set_result(TaskResult(len(keys)))
         self.held = []
-
-    def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
-        check_keys_and_buffer(keys, src, "src")
-        for i, key in enumerate(keys):
-            self.blocks[key] = src[i].clone()
-        return Task.completed(TaskResult(len(keys)))
 
 
 # ------------------------------------------------------------------------------------------------ drop_cached
