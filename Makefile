@@ -4,9 +4,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ucm-installed
 MODELS_DIR ?= models
 
-.PHONY: setup demo test lint bench clean-store pd-mixed
+.PHONY: soak setup demo test lint bench clean-store pd-mixed
 
 $(STAMP): pyproject.toml Makefile tools/vllm_metadata.py
+	# The tests' FUSE mount (ucm.testing.fusefs, tests/*/test_stalled_mount.py) needs libfuse3 and fusermount3
+	# (Debian's fuse3) where the kernel has FUSE; those tests are skipped only without /dev/fuse.
+	if [ -e /dev/fuse ] && ! command -v fusermount3 >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 >/dev/null; \
+		else echo "FUSE tests need Debian's fuse3 (libfuse3, fusermount3): install it as root"; fi; \
+	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# vLLM's CPU build pulls torch 2.13.0+cpu (pip takes it from local disk where the machine has it).
@@ -42,6 +49,11 @@ bench: setup
 	$(PY) benchmarks/e2e_ttft.py --models-dir $(MODELS_DIR)
 	$(PY) benchmarks/storage_hits.py --models-dir $(MODELS_DIR)
 	$(PY) benchmarks/store_bandwidth.py
+
+# One hour of concurrent load with faults on two UCM instances sharing a store (issue 37's soak; root for its
+# read-only-remount fault). The last line printed is the JSON summary; the PNG goes beside soak.json.
+soak: setup
+	$(PY) benchmarks/soak.py --models-dir $(MODELS_DIR) --out soak.json
 
 clean-store:
 	rm -rf .ucm_store

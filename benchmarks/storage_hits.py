@@ -28,8 +28,11 @@ bytes the server's processes read from the block device during the request (``re
 Variants (``--variants``): ``blockwise`` (``Cache|Posix``), ``layerwise`` (the same with ``use_layerwise: true``),
 ``compressed`` (``Cache|Compress|Posix``, KVfold lossless), ``compressed_layerwise``, ``posix`` /
 ``posix_layerwise`` (``Posix`` alone: no DRAM tier), ``blockwise_traces`` (``blockwise`` with
-``enable_record_traces: true``: the cost of the JSONL trace; UCM's metrics are on in every UCM variant), and
-``recompute`` (no connector: the prompt is computed).
+``enable_record_traces: true``: the cost of the JSONL trace), ``blockwise_quiet`` (``blockwise`` with
+``enable_metrics: false``; UCM's metrics are on in every other UCM variant), ``blockwise_events`` (``blockwise`` with
+vLLM's KV events on, ``--kv-events-config`` with a ZMQ publisher, drained by a subscriber in this process: with
+``--reference blockwise_quiet``, the cost of metrics and events together), and ``recompute`` (no connector: the
+prompt is computed).
 Each UCM variant has its own fresh store directory, filled by serving every prompt once before the rounds.
 
 ``--suffix-tokens S`` appends S tokens of new real text (different in every round, the same for every variant of
@@ -59,6 +62,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,15 +91,29 @@ from ucm.testing.texts import real_text  # noqa: E402
 
 BLOCK_SIZE = 128  # tokens per block: the CPU attention backend's
 MAX_MODEL_LEN = 4096
-VARIANTS: dict[str, tuple[str, bool, bool] | None] = {
-    # name: (store_pipeline, use_layerwise, enable_record_traces), None = no connector
-    "blockwise": ("Cache|Posix", False, False),
-    "layerwise": ("Cache|Posix", True, False),
-    "compressed": ("Cache|Compress|Posix", False, False),
-    "compressed_layerwise": ("Cache|Compress|Posix", True, False),
-    "posix": ("Posix", False, False),
-    "posix_layerwise": ("Posix", True, False),
-    "blockwise_traces": ("Cache|Posix", False, True),
+
+
+@dataclass(frozen=True)
+class UcmVariant:
+    """How a UCM variant's server is configured."""
+
+    pipeline: str
+    layerwise: bool = False
+    traces: bool = False  # enable_record_traces
+    metrics: bool = True  # enable_metrics
+    kv_events: bool = False  # vLLM's --kv-events-config (ZMQ publisher)
+
+
+VARIANTS: dict[str, UcmVariant | None] = {  # None: no connector
+    "blockwise": UcmVariant("Cache|Posix"),
+    "layerwise": UcmVariant("Cache|Posix", layerwise=True),
+    "compressed": UcmVariant("Cache|Compress|Posix"),
+    "compressed_layerwise": UcmVariant("Cache|Compress|Posix", layerwise=True),
+    "posix": UcmVariant("Posix"),
+    "posix_layerwise": UcmVariant("Posix", layerwise=True),
+    "blockwise_traces": UcmVariant("Cache|Posix", traces=True),
+    "blockwise_quiet": UcmVariant("Cache|Posix", metrics=False),
+    "blockwise_events": UcmVariant("Cache|Posix", kv_events=True),
     "recompute": None,
 }
 DEFAULT_VARIANTS = ("blockwise", "layerwise", "compressed", "recompute")
@@ -150,17 +168,53 @@ def build_prompts(model_dir: Path, count: int, tokens: int, rounds: int, suffix_
     return prompts, suffixes
 
 
-def ucm_extra(store_dir: Path, pipeline: str, layerwise: bool, traces: bool, cache_gb: float) -> dict[str, Any]:
-    """``kv_connector_extra_config`` for one UCM variant (inline config); with ``traces``, the JSONL trace is on
-    (in ``store_dir/traces``)."""
-    store: dict[str, Any] = {"store_pipeline": pipeline, "storage_backends": str(store_dir)}
-    if pipeline.startswith("Cache|"):
+def ucm_extra(store_dir: Path, variant: UcmVariant, cache_gb: float) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for one UCM variant (inline config); with ``variant.traces``, the JSONL trace
+    is on (in ``store_dir/traces``)."""
+    store: dict[str, Any] = {"store_pipeline": variant.pipeline, "storage_backends": str(store_dir)}
+    if variant.pipeline.startswith("Cache|"):
         store["cache_buffer_capacity_gb"] = cache_gb
     return {
         "ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": store}],
-        "use_layerwise": layerwise,
-        "enable_record_traces": traces,
+        "use_layerwise": variant.layerwise,
+        "enable_record_traces": variant.traces,
+        "enable_metrics": variant.metrics,
     }
+
+
+class EventDrain:
+    """A ZMQ SUB socket bound on 127.0.0.1 that vLLM's KV-event publisher connects to, drained by a daemon thread
+    (a router's subscriber, so that publishing costs what it costs in service); counts the events it decodes."""
+
+    def __init__(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        from ucm.testing.server import free_port
+
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.events = 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(self.endpoint)
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-event-drain", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(200):
+                *_, payload = self._sock.recv_multipart()
+                self.events += len(self._decoder.decode(payload).events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
 
 
 def read_bytes(pids: list[int]) -> int:
@@ -364,16 +418,21 @@ def main(argv: list[str] | None = None) -> int:
         env["UC_LOGGER_LEVEL"] = args.ucm_log_level
     variants: list[Variant] = []
     problems: list[str] = []
+    drains: dict[str, EventDrain] = {}
     try:
         for name in args.variants:
             spec = VARIANTS[name]
             transfer = None
+            extra_args = ["--no-enable-prefix-caching"]
             if spec is not None:
-                transfer = ucm_transfer_config(ucm_extra(args.store_root / name, *spec, cache_gb))
+                transfer = ucm_transfer_config(ucm_extra(args.store_root / name, spec, cache_gb))
+                if spec.kv_events:
+                    drains[name] = EventDrain()
+                    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": drains[name].endpoint}
+                    extra_args += ["--kv-events-config", json.dumps(events)]
             server = VllmServer(
-                model_dir, tmp / f"{name}.log", transfer, max_model_len=MAX_MODEL_LEN, env=env,
-                extra_args=["--no-enable-prefix-caching"],
-            )  # fmt: skip
+                model_dir, tmp / f"{name}.log", transfer, max_model_len=MAX_MODEL_LEN, env=env, extra_args=extra_args
+            )
             variants.append(Variant(name, server))
         kept = "kept" if args.keep_logs else "removed at the end; --keep-logs keeps them"
         print(
@@ -398,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for v in variants:
             v.server.stop()
+        for drain in drains.values():
+            drain.close()
 
     agree = sum(len({v.first_tokens[r] for v in variants}) == 1 for r in range(args.rounds))
     summary: dict[str, Any] = {
@@ -411,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         "cache_buffer_capacity_gb": cache_gb,
         "variants": summarize(variants, args.reference),
         "first_token_same_in_all_variants": f"{agree}/{args.rounds} rounds",
+        "kv_events_received": {name: drain.events for name, drain in drains.items()},
         "problems": problems,
         "logs": str(tmp) if args.keep_logs else None,
         "versions": versions(),

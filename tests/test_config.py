@@ -230,6 +230,25 @@ def test_reset_clears_storage_is_off_by_default_and_a_boolean() -> None:
         assert f"(got {value!r})" in message
 
 
+def test_load_timeout_ms() -> None:
+    assert parse_config({}).load_timeout_ms == 10000.0
+    assert parse_config({}).load_timeout_s == 10.0
+    assert parse_config({"load_timeout_ms": 1500}).load_timeout_s == 1.5  # YAML's int is taken as a number
+    assert parse_config({"load_timeout_ms": 0.5}).load_timeout_ms == 0.5
+    for value, allowed in [
+        (0, "greater than 0"),
+        (-5, "greater than 0"),
+        ("10s", "a valid number"),
+        (True, "a valid number"),
+        (None, "a valid number"),
+        (float("inf"), "a finite number"),
+        (float("nan"), "a finite number"),
+    ]:
+        message = config_error({"load_timeout_ms": value})
+        assert "load_timeout_ms" in message and allowed in message, message
+        assert f"(got {float(value) if isinstance(value, int) and not isinstance(value, bool) else value!r})" in message
+
+
 def test_record_traces_keys() -> None:
     config = parse_config({"enable_record_traces": True, "record_traces_max_mb": 2})
     assert config.enable_record_traces is True

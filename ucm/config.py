@@ -302,6 +302,20 @@ class UcmConfig(_Strict):
         "false = UCM's DRAM tier only (stored blocks stay, and serve the next requests); true = also every block "
         "file of this model's namespace in storage_backends (other models' blocks are kept).",
     )
+    load_timeout_ms: float = Field(
+        10000.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Most ms a step waits for a load from UCM's store (blockwise: the whole load; layerwise: until its "
+        "last layer), for a Posix lookup, and for a durable dump (prefill for another instance). Past it the blocks "
+        "not yet in are reported failed and vLLM recomputes them; a lookup is a miss; a durable dump's response "
+        "leaves without waiting longer.",
+    )
+    enable_metrics: bool = Field(
+        True,
+        description="UCM's metrics on vllm serve's /metrics (per tier: lookups, hits, bytes, latency, failures, "
+        "levels; docs/operations.md). false: UCM records and sends none (its per-request log line stays).",
+    )
     enable_record_traces: bool = Field(
         False,
         description="Write a JSONL trace of lookups, loads and dumps (request ids, tier, blocks, bytes, ms), one file "
@@ -339,7 +353,7 @@ class UcmConfig(_Strict):
             raise ValueError(f"ucm_connectors has {len(value)} entries; this UCM version takes exactly 1")
         return value
 
-    @field_validator("record_traces_max_mb", mode="before")
+    @field_validator("record_traces_max_mb", "load_timeout_ms", mode="before")
     @classmethod
     def _int_is_float(cls, value: Any) -> Any:
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -365,6 +379,11 @@ class UcmConfig(_Strict):
     def traces_max_bytes(self) -> int:
         """``record_traces_max_mb`` in bytes (MiB = 2**20 bytes)."""
         return int(self.record_traces_max_mb * 2**20)
+
+    @property
+    def load_timeout_s(self) -> float:
+        """``load_timeout_ms`` in seconds."""
+        return self.load_timeout_ms / 1e3
 
     @property
     def store(self) -> UcmPipelineStoreConfig:

@@ -86,7 +86,7 @@ def test_tiny_run_measures_storage_hits(tmp_path: Path) -> None:
     model = ensure_tiny_llama(Path("models"))
     out = tmp_path / "summary.json"
     cmd = [
-        sys.executable, str(SCRIPT), "--model", str(model), "--variants", "blockwise", "layerwise",
+        sys.executable, str(SCRIPT), "--model", str(model), "--variants", "blockwise", "layerwise", "blockwise_events",
         "--rounds", "2", "--prompt-tokens", "512", "--prompts", "2", "--gap-s", "0.2", "--min-idle", "0",
         "--page-cache", "fadvise_dontneed", "--out", str(out),
     ]  # fmt: skip
@@ -99,7 +99,7 @@ def test_tiny_run_measures_storage_hits(tmp_path: Path) -> None:
     assert summary["problems"] == []  # every measured request was a UCM hit of every full block
     assert summary["prompt_full_blocks"] == 4
     kv_mb = summary["prompt_kv_mb"]
-    for name in ("blockwise", "layerwise"):
+    for name in ("blockwise", "layerwise", "blockwise_events"):
         entry = summary["variants"][name]
         assert len(entry["ttft_ms"]) == 2 and all(t > 0 for t in entry["ttft_ms"])
         # The blocks came from disk: page cache emptied, DRAM tier evicted by the other prompt.
@@ -107,3 +107,5 @@ def test_tiny_run_measures_storage_hits(tmp_path: Path) -> None:
     ratio = summary["variants"]["layerwise"]["over_blockwise"]
     assert ratio["rounds"] == 2 and ratio["ci95"][0] <= ratio["median"] <= ratio["ci95"][1]
     assert summary["first_token_same_in_all_variants"] == "2/2 rounds"
+    # vLLM's KV events (its own and UCM's) reached the benchmark's subscriber.
+    assert summary["kv_events_received"]["blockwise_events"] > 0

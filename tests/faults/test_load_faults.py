@@ -115,7 +115,8 @@ FAULTS = [
     LoadFault("another block's file", 0, _other_block, 2, True, "stored again", "file holds key"),
     LoadFault("trailing bytes", 1, _trailing_bytes, 2, True, "stored again", "bytes, expected"),
     LoadFault("newer format version", 0, _future_version, 2, True, "kept", "format version 2"),
-    LoadFault("directory in place of the file", 0, _directory, 2, True, "kept", "Is a directory"),
+    # Not a regular file: a lookup miss (never opened), replaced by the recomputed block's dump.
+    LoadFault("directory in place of the file", 0, _directory, 0, False, "stored again", ""),
     LoadFault("unreadable file (EACCES)", 0, _mode_000, 2, True, "kept", "Permission denied"),
     LoadFault("read error (EIO, injected)", 0, _leave, 2, True, "kept", "Input/output error"),
     LoadFault("missing file", 1, _delete, 1, False, "stored again", ""),
@@ -177,5 +178,5 @@ def test_every_failed_load_was_reported_to_vllm(served):
 
 def test_each_read_error_kind_warns_once(served):
     _, _, _, stderr = served
-    for needle in ("Permission denied", "Input/output error", "Is a directory"):
+    for needle in ("Permission denied", "Input/output error"):
         assert len(warnings_of(stderr, needle)) == 1, needle

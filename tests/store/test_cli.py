@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
+import signal
 import struct
 import subprocess
 import sys
@@ -265,3 +267,39 @@ def test_stats_and_clear_by_namespace(tmp_path: Path, close_after: Closer) -> No
     assert all(os.path.exists(p) for p in paths["model-a"] + paths["None"])
     with pytest.raises(SystemExit):
         run_main("clear", "--yes", "--namespace", "xyz", "--storage-backends", dirs)
+
+
+# -- a closed output pipe ------------------------------------------------------------------------------------------
+
+
+def test_closed_pipe_ends_quietly_like_ls(two_dir_store: tuple[str, list[str]]) -> None:
+    """The reader is gone before the CLI writes anything (a real pipe, its read end closed at once): the CLI ends by
+    SIGPIPE, as ``ls`` does (status -SIGPIPE here, 141 in a shell), with nothing on stderr (no BrokenPipeError
+    traceback)."""
+    dirs, _ = two_dir_store
+    for command in (["stats"], ["stats", "--json"], ["verify"]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ucm.store", *command, "--storage-backends", dirs],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # before the child has imported anything: its first write meets a closed pipe
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == -signal.SIGPIPE, stderr
+        assert stderr == "", command
+
+
+def test_shell_pipeline_into_head(two_dir_store: tuple[str, list[str]]) -> None:
+    """``python -m ucm.store stats | head -1`` in a real shell: one line out, nothing on stderr, and the CLI's status
+    0 (its output fit in the pipe) or 141 (SIGPIPE, as ``ls | head -1`` gets on a long listing)."""
+    dirs, _ = two_dir_store
+    script = (
+        f"{shlex.quote(sys.executable)} -m ucm.store stats --storage-backends {shlex.quote(dirs)} | head -1; "
+        'echo "status ${PIPESTATUS[0]}"'
+    )
+    proc = subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and lines[1] in ("status 0", "status 141"), proc.stdout
+    assert proc.stderr == ""

@@ -135,10 +135,11 @@ class ShardProgress:
         with self._cond:
             return self._remaining[shard] <= 0
 
-    def wait(self, shard: int, finished: Callable[[], bool]) -> None:
-        """Block until shard ``shard`` is ready or ``finished()`` is true (re-checked at each :meth:`notify`)."""
+    def wait(self, shard: int, finished: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block until shard ``shard`` is ready or ``finished()`` is true (re-checked at each :meth:`notify`), at
+        most ``timeout`` seconds (``None``: no bound); return False when the time ran out first."""
         with self._cond:
-            self._cond.wait_for(lambda: self._remaining[shard] <= 0 or finished())
+            return self._cond.wait_for(lambda: self._remaining[shard] <= 0 or finished(), timeout)
 
     def notify(self) -> None:
         """Wake the waiters so that they re-check their ``finished`` condition."""
@@ -173,24 +174,33 @@ class Task:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> TaskResult:
-        """Block until the task is done and return its result (``timeout`` in seconds)."""
+        """Block until the task is done and return its result, at most ``timeout`` seconds (``None``: no bound).
+
+        Raises:
+            TimeoutError: the task is not done within ``timeout``; it goes on (a load's ``dst`` and a dump's ``src``
+                stay in use until it is done).
+        """
         return self._future.result(timeout)
 
-    def wait_shard(self, shard: int) -> None:
+    def wait_shard(self, shard: int, timeout: float | None = None) -> bool:
         """Block until shard ``shard`` (``0 <= shard < num_shards``) of every row of a sharded load is in ``dst``,
-        or the task is done. The bytes are **not yet validated**: only :meth:`result` says which rows are good (a
-        row that fails validation later has unspecified bytes). A task without shard progress (a plain load, or a
-        stage that reads whole blocks) waits for the whole task.
+        or the task is done, at most ``timeout`` seconds (``None``: no bound); return False when the time ran out
+        first (the load goes on: its ``dst`` may still be written). The bytes are **not yet validated**: only
+        :meth:`result` says which rows are good (a row that fails validation later has unspecified bytes). A task
+        without shard progress (a plain load, or a stage that reads whole blocks) waits for the whole task.
 
         Raises:
             IndexError: ``shard`` is out of range for a sharded load.
         """
         if self._progress is None:
-            self._future.exception()  # waits; the outcome is the caller's to take from result()
-            return
+            try:
+                self._future.exception(timeout)  # waits; the outcome is the caller's to take from result()
+            except TimeoutError:
+                return False
+            return True
         if not 0 <= shard < self._progress.num_shards:
             raise IndexError(f"shard {shard} out of range [0, {self._progress.num_shards})")
-        self._progress.wait(shard, self._future.done)
+        return self._progress.wait(shard, self._future.done, timeout)
 
     def shard_ready(self, shard: int) -> bool:
         """Non-blocking :meth:`wait_shard`: True when it would return at once."""

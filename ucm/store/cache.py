@@ -262,6 +262,7 @@ class CacheStore(UcmKVStoreBase):
                 self._unpin_write_back(write_back)
             raise
         copied = 0  # new rows copied into DRAM and kept
+        inserted: list[bytes] = []  # their keys
         if fills:
             with self._lock:
                 for i, slot in fills:
@@ -286,7 +287,9 @@ class CacheStore(UcmKVStoreBase):
                     self._used += nbytes
                     cached.add(i)
                     copied += 1
+                    inserted.append(keys[i])
                     self._schedule_write_back(i, entry, write_back)
+                self._recorder.record_keys(True, "dram", inserted)
         self._record("dump", len(keys), copied, copied * nbytes, time.perf_counter() - t0)
         if self._inner is None or not write_back:
             failed = frozenset(i for i in range(len(keys)) if i not in cached)
@@ -508,6 +511,8 @@ class CacheStore(UcmKVStoreBase):
                     self._release_slot(entry.data)
         if dropped:
             logger.debug("cache store: dropped %d cached blocks", len(dropped))
+            if self._recorder.tracks_keys:
+                self._recorder.record_keys(False, "dram", list(dropped))
         return len(dropped) + (self._inner.drop_cached() if self._inner is not None else 0)
 
     def remove_stored(self, *, keys: Sequence[bytes] | None = None, namespace: bytes | None = None) -> Removal:
@@ -578,6 +583,7 @@ class CacheStore(UcmKVStoreBase):
         entry = self._entries.pop(key)
         self._used -= entry.data.numel()
         self._release_slot(entry.data)
+        self._recorder.record_keys(False, "dram", (key,))
 
     def _promote_slot(self, key: bytes, slot: torch.Tensor, generation: int) -> None:
         """Make ``slot`` (filled with ``key``'s block, read from the stage below by a read started in
@@ -586,6 +592,7 @@ class CacheStore(UcmKVStoreBase):
         if not self._closed and key not in self._entries and generation == self._generation:
             self._entries[key] = _Entry(slot, stored_below=True)
             self._used += slot.numel()
+            self._recorder.record_keys(True, "dram", (key,))
         else:
             self._release_slot(slot)
 
@@ -635,6 +642,7 @@ class CacheStore(UcmKVStoreBase):
                 self._free[size].pop()
                 self._slot_bytes -= size
             self._evicted_blocks += len(victims)
+            self._recorder.record_keys(False, "dram", victims)
             for key in victims:
                 entry = self._entries.pop(key)
                 self._evicted_bytes += entry.data.numel()

@@ -17,11 +17,14 @@ Commands:
 - ``verify``: reads every block file and validates it as ``load`` does (header, key = the file name, exact size,
   xxh3 checksum). Damaged files are listed; ``--remove`` deletes them. Files of another format version, codec or
   block size are reported as *foreign* and kept (another UCM version may share the directory). Exit status 1 if
-  a file is damaged or unreadable.
+  a file is damaged or unreadable. Anything at a block path that is not a regular file (a FIFO, device, socket or
+  directory: what a stalled mount or a stray ``mkfifo`` leaves) is damaged, found without opening it; ``--remove``
+  deletes it (a directory only when empty).
 - ``gc --target-gb X``: deletes the least recently used block files until the block files total at most X GiB
   (2**30 bytes, counted as file sizes), and removes stale temps.
-- ``clear --yes [--namespace TAG]``: deletes every block file and every stale temp; with ``--namespace``, only the
-  block files of that namespace (8 hex digits, as ``stats`` prints it).
+- ``clear --yes [--namespace TAG]``: deletes every block file, everything else at a block path (a FIFO, device,
+  socket, empty directory) and every stale temp; with ``--namespace``, only the block files of that namespace (8 hex
+  digits, as ``stats`` prints it).
 
 Last use of a block is ``max(atime, mtime)`` (see :mod:`ucm.store.posix.scan`): the store sets a block file's atime
 when it serves the block. ``verify`` opens files with ``O_NOATIME`` (or restores the atime afterwards) so that a
@@ -49,7 +52,15 @@ from ucm.config import GIB, UcmConfigError, load_config_file
 from ucm.store.base import FOREIGN, KEY_NBYTES
 from ucm.store.codecs import CODEC_KVFOLD, CODEC_RAW
 from ucm.store.posix.files import remove_if_unchanged
-from ucm.store.posix.format import FILE_SUFFIX, FORMAT_VERSION, HEADER, HEADER_NBYTES, MAGIC, NAMESPACE_DIR
+from ucm.store.posix.format import (
+    FILE_SUFFIX,
+    FORMAT_VERSION,
+    HEADER,
+    HEADER_NBYTES,
+    MAGIC,
+    NAMESPACE_DIR,
+    not_regular,
+)
 from ucm.store.posix.psync import read_encoded, read_validated
 from ucm.store.posix.scan import (
     DEFAULT_TMP_AGE_S,
@@ -177,6 +188,7 @@ def store_stats(scan: StoreScan) -> dict[str, Any]:
         "tmp_files": len(scan.temps),
         "tmp_bytes": sum(f.size for f in scan.temps),
         "other_files": len(scan.others),
+        "irregular_files": len(scan.irregular),
         "by_namespace": by_namespace,
         "by_payload_size": by_size,
     }
@@ -186,15 +198,21 @@ def verify_file(path: str) -> tuple[str | None, os.stat_result]:
     """Validate the block file at ``path``; return ``(reason, stat)``, ``reason`` None when the file is valid.
 
     The key is the file name's hex. A reason starting with ``"foreign: "`` means another format version, codec or
-    block size (not damage). The file's atime is left as it was where the filesystem allows.
+    block size (not damage). Something that is not a regular file (a FIFO, device, directory) is damaged and not
+    read; the open never blocks on it (``O_NONBLOCK``). The file's atime is left as it was where the filesystem
+    allows.
 
     Raises:
-        OSError: the file cannot be opened or read (including FileNotFoundError when it vanished).
+        OSError: the file cannot be opened or read (including FileNotFoundError when it vanished; ENXIO: a socket).
     """
     hexkey = os.path.basename(path)[: -len(FILE_SUFFIX)]
     fd = _open_noatime(path)
     with open(fd, "rb", buffering=0):  # closes fd
         st = os.fstat(fd)
+        irregular = not_regular(st.st_mode)
+        if irregular is not None:
+            return irregular, st
+        os.set_blocking(fd, True)
         try:
             key = bytes.fromhex(hexkey)
         except ValueError:
@@ -228,13 +246,18 @@ def verify_file(path: str) -> tuple[str | None, os.stat_result]:
 def verify_store(scan: StoreScan, remove: bool) -> list[Finding]:
     """Validate every block file of ``scan``; return the files that are not valid, in scan order.
 
-    With ``remove``, damaged files are deleted (if unchanged since they were read); foreign and unreadable files
-    are kept. A file that vanished since the scan is skipped.
+    The not regular files at block paths (:attr:`StoreScan.irregular`: FIFOs, devices, sockets, directories) are
+    damaged, found from ``lstat`` without opening them. With ``remove``, damaged files are deleted (if unchanged
+    since they were read; a directory only when empty); foreign and unreadable files are kept. A file that vanished
+    since the scan is skipped.
     """
     findings: list[Finding] = []
-    for info in _progress(scan.blocks, "verify"):
+    for info in _progress([*scan.blocks, *scan.irregular], "verify"):
         try:
-            reason, st = verify_file(info.path)
+            st = os.lstat(info.path)
+            reason = not_regular(st.st_mode)
+            if reason is None:
+                reason, st = verify_file(info.path)
         except FileNotFoundError:
             continue
         except OSError as err:
@@ -245,10 +268,7 @@ def verify_store(scan: StoreScan, remove: bool) -> list[Finding]:
         if reason.startswith(FOREIGN):
             findings.append(Finding(info.path, "foreign", reason.removeprefix(FOREIGN)))
             continue
-        removed = False
-        if remove:
-            remove_if_unchanged(info.path, st)
-            removed = not os.path.exists(info.path)
+        removed = remove and remove_if_unchanged(info.path, st)
         findings.append(Finding(info.path, "damaged", reason, removed))
     return findings
 
@@ -278,6 +298,11 @@ def _cmd_stats(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
     print(f"block files: {stats['block_files']}, {format_bytes(stats['block_bytes'])}", file=out)
     print(f"temp files: {stats['tmp_files']}, {format_bytes(stats['tmp_bytes'])}", file=out)
     print(f"other files: {stats['other_files']} (not UCM's; never touched)", file=out)
+    if stats["irregular_files"]:
+        print(
+            f"not regular files at block paths: {stats['irregular_files']} (damaged; verify --remove deletes them)",
+            file=out,
+        )
     if stats["by_namespace"]:
         print("by model namespace:", file=out)
         for g in stats["by_namespace"]:
@@ -306,7 +331,7 @@ def _cmd_verify(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
     counts = {k: sum(1 for f in findings if f.kind == k) for k in ("damaged", "foreign", "unreadable")}
     removed = sum(1 for f in findings if f.removed)
     print(
-        f"verified {len(scan.blocks)} block files: {counts['damaged']} damaged"
+        f"verified {len(scan.blocks) + len(scan.irregular)} block files: {counts['damaged']} damaged"
         + (f" ({removed} removed)" if args.remove else "")
         + f", {counts['foreign']} foreign (kept), {counts['unreadable']} unreadable",
         file=out,
@@ -333,9 +358,12 @@ def _cmd_clear(args: argparse.Namespace, scan: StoreScan, out: TextIO) -> int:
         return EXIT_FAILED if blocks.errors else EXIT_OK
     temps = _delete(scan.stale_temps(args.tmp_age_s), "stale temps")
     blocks = _delete(scan.blocks, "clear")
+    irregular = _delete(scan.irregular, "clear")
     _print_deletion("stale temp files", temps, out)
     _print_deletion("block files", blocks, out)
-    return EXIT_FAILED if temps.errors or blocks.errors else EXIT_OK
+    if scan.irregular:
+        _print_deletion("not regular files at block paths", irregular, out)
+    return EXIT_FAILED if temps.errors or blocks.errors or irregular.errors else EXIT_OK
 
 
 def _non_negative_float(text: str) -> float:

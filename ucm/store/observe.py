@@ -9,6 +9,12 @@ recorder (the default) records nothing.
 Tiers: ``dram`` (the ``Cache`` stage), ``compress`` (``Compress``), ``storage`` (``Posix``); lookups of the whole
 pipeline (the scheduler side) are ``all``.
 
+Residency (KV events): a stage also tells the recorder which block keys a tier starts or stops holding
+(:meth:`Recorder.record_keys`: a dump's or promotion's new DRAM blocks, an eviction, a block file written, deleted by
+garbage collection or found damaged). Only recorders with a key sink listen (:attr:`Recorder.tracks_keys`; the
+connector adds one when vLLM publishes KV events, see :mod:`ucm.integration.vllm.events`); stages skip the work
+otherwise.
+
 Request ids: a caller names the requests a transfer serves with :func:`requests_of`; a stage reads them
 (:func:`current_requests`) when its ``load``/``dump`` is called, on the caller's thread, so a stage called from
 another thread (a write-back) sees them only when the thread was started in the caller's context
@@ -69,7 +75,23 @@ class Observation:
     requests: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Residency:
+    """Block keys a tier started (``stored``) or stopped holding.
+
+    Attributes:
+        stored: True: the tier now holds the keys' blocks; False: it no longer does (evicted, deleted, damaged).
+        tier: ``dram`` or ``storage``.
+        keys: 16-byte block keys as the tier stores them (per tensor-parallel rank).
+    """
+
+    stored: bool
+    tier: Tier
+    keys: tuple[bytes, ...]
+
+
 Sink = Callable[[Observation], None]
+KeySink = Callable[[Residency], None]
 
 
 class Recorder:
@@ -80,6 +102,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self._sinks: tuple[Sink, ...] = ()
+        self._key_sinks: tuple[KeySink, ...] = ()
         self._lock = threading.Lock()
         self._failed_logged = False
 
@@ -87,6 +110,31 @@ class Recorder:
     def enabled(self) -> bool:
         """True when at least one sink listens."""
         return bool(self._sinks)
+
+    @property
+    def tracks_keys(self) -> bool:
+        """True when a key sink listens (:meth:`record_keys` does something)."""
+        return bool(self._key_sinks)
+
+    def add_key_sink(self, sink: KeySink) -> None:
+        """Hand every later :class:`Residency` to ``sink`` (called on the recording thread, possibly under a
+        stage's lock: it must be thread-safe, quick, and must not call into a store)."""
+        with self._lock:
+            self._key_sinks = (*self._key_sinks, sink)
+
+    def record_keys(self, stored: bool, tier: Tier, keys: Sequence[bytes]) -> None:
+        """Tell the key sinks that ``tier`` started (``stored``) or stopped holding ``keys``. Never raises; does
+        nothing for no keys or without key sinks."""
+        if not keys or not self._key_sinks:
+            return
+        residency = Residency(stored, tier, tuple(keys))
+        for sink in self._key_sinks:
+            try:
+                sink(residency)
+            except Exception:
+                if not self._failed_logged:
+                    self._failed_logged = True
+                    logger.exception("key sink %r failed (logged once)", sink)
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every later observation to ``sink`` (called on the recording thread; must be thread-safe)."""

@@ -45,10 +45,14 @@ def _warn_if_larger_than_memory(capacity_bytes: int) -> None:
         )
 
 
-def build_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -> UcmKVStoreBase:
+def build_store(
+    config: UcmPipelineStoreConfig, require_writable: bool = True, lookup_timeout_s: float | None = None
+) -> UcmKVStoreBase:
     """A new pipeline for ``config.store_pipeline``, built bottom-up.
 
     ``require_writable=False`` (a ``kv_consumer``, which only loads) accepts read-only storage directories.
+    ``lookup_timeout_s``: the Posix stage's bound on one lookup (``load_timeout_ms``; ``None``: unbounded, see
+    :class:`~ucm.store.posix.PosixStore`).
 
     Raises:
         ValueError: an unknown stage name (the config schema already refuses these), a stage below ``Compress`` that
@@ -68,6 +72,7 @@ def build_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -
                 io_direct=config.io_direct,
                 io_engine=config.posix_io_engine,
                 require_writable=require_writable,
+                lookup_timeout_s=lookup_timeout_s,
             )
         elif stage == "Compress":
             store = CompressStore(
@@ -113,9 +118,12 @@ def _shared_key(config: UcmPipelineStoreConfig, require_writable: bool) -> str:
     return f"{config.model_dump_json()}|{require_writable}"
 
 
-def shared_store(config: UcmPipelineStoreConfig, require_writable: bool = True) -> UcmKVStoreBase:
-    """The process-wide pipeline for ``config`` (built on first use; reference counted); ``require_writable`` as
-    in :func:`build_store`.
+def shared_store(
+    config: UcmPipelineStoreConfig, require_writable: bool = True, lookup_timeout_s: float | None = None
+) -> UcmKVStoreBase:
+    """The process-wide pipeline for ``config`` (built on first use; reference counted); ``require_writable`` and
+    ``lookup_timeout_s`` as in :func:`build_store` (the first caller's ``lookup_timeout_s`` holds: the connector's
+    two roles in one process pass the same).
 
     Pair each call with :func:`release_shared_store`; the last release closes the pipeline (flushing write-backs).
     """
@@ -123,7 +131,7 @@ def shared_store(config: UcmPipelineStoreConfig, require_writable: bool = True) 
     with _shared_lock:
         store, refs = _shared.get(key, (None, 0))
         if store is None:
-            store = build_store(config, require_writable)
+            store = build_store(config, require_writable, lookup_timeout_s)
         _shared[key] = (store, refs + 1)
         return store
 

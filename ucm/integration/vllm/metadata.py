@@ -50,17 +50,21 @@ class UCMWorkerMetadata(KVConnectorWorkerMetadata):
     The scheduler's process does not see the workers' DRAM tier; without ``stored_keys``, a block would only be
     found once written back to storage. Keys are rank-independent (as in :class:`BlockTransfer`). ``reset_epoch``:
     the worker's reset epoch when it stored them (the scheduler ignores keys stored before its last reset).
+    ``tier_events``: with vLLM's KV events on, ``(stored, tier, keys)`` for each change of what a tier holds, oldest
+    first, keys as this rank stores them (:mod:`ucm.integration.vllm.events`).
     """
 
     stored_keys: list[bytes] = field(default_factory=list)
     failed_keys: list[bytes] = field(default_factory=list)
     reset_epoch: int = 0
+    tier_events: list[tuple[bool, str, list[bytes]]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Keep the keys every rank stored (a block is usable only when all its shards are), the keys any rank
-        failed to load, and the oldest reset epoch."""
+        failed to load, the oldest reset epoch, and every rank's tier events."""
         assert isinstance(other, UCMWorkerMetadata)
         theirs = set(other.stored_keys)
         failed = list(dict.fromkeys([*self.failed_keys, *other.failed_keys]))
         epoch = min(self.reset_epoch, other.reset_epoch)
-        return UCMWorkerMetadata([k for k in self.stored_keys if k in theirs], failed, epoch)
+        stored = [k for k in self.stored_keys if k in theirs]
+        return UCMWorkerMetadata(stored, failed, epoch, [*self.tier_events, *other.tier_events])

@@ -343,7 +343,8 @@ class UCMPromMetrics(KVConnectorPromMetrics):
 
 class Observability:
     """One connector's observation plumbing: a :class:`~ucm.store.observe.Recorder` feeding a
-    :class:`StatsCollector` and, with ``enable_record_traces``, a :class:`~ucm.store.traces.TraceWriter`.
+    :class:`StatsCollector` (unless ``enable_metrics: false``; :attr:`stats` is then ``None``) and, with
+    ``enable_record_traces``, a :class:`~ucm.store.traces.TraceWriter`.
 
     Args:
         config: the UCM config (trace settings).
@@ -356,8 +357,10 @@ class Observability:
 
     def __init__(self, config: UcmConfig, block_size: int, role: str) -> None:
         self.recorder = Recorder()
-        self.stats = StatsCollector(block_size)
-        self.recorder.add_sink(self.stats.observe)
+        self.stats: StatsCollector | None = None
+        if config.enable_metrics:
+            self.stats = StatsCollector(block_size)
+            self.recorder.add_sink(self.stats.observe)
         self.trace: TraceWriter | None = None
         if config.enable_record_traces:
             try:

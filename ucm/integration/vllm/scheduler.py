@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from ucm.config import UcmConfig
 from ucm.hashing import block_keys, rank_keys, request_seed
 from ucm.integration.vllm.engine_info import KVSpec
+from ucm.integration.vllm.events import KVEventTranslator
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.logger import init_logger
 from ucm.store.base import UcmKVStoreBase, tiered_lookup
@@ -48,6 +49,7 @@ class _RequestState:
     block_ids: list[int] | None = None
     logged: bool = False
     remote_decode: bool = False  # prefill for another instance: dumps must be durable before the response
+    request: Request | None = None  # kept with KV events on: the events name blocks by vLLM's hashes
 
 
 def _mm_block_extras(request: Request, num_blocks: int, block_size: int) -> list[list[str]] | None:
@@ -106,6 +108,8 @@ class UCMScheduler:
         self._clears_storage = config.reset_clears_storage
         self._reset_epoch = 0  # resets so far; sent to the workers with every step's metadata
         self._reset_unsent = False  # a reset the workers have not been told of yet
+        # With vLLM's KV events on (set by the connector): turns the workers' tier changes into vLLM's events.
+        self.events: KVEventTranslator | None = None
 
     def _keys(self, request: Request) -> list[bytes]:
         tokens = request.prompt_token_ids
@@ -158,6 +162,8 @@ class UCMScheduler:
         self._reset_epoch += 1
         self._reset_unsent = True
         dropped = self._store.drop_cached()
+        if self.events is not None:
+            self.events.reset(self._clears_storage)
         if not self._clears_storage:
             logger.info(
                 "cache reset: forgot %d blocks the workers stored, dropped %d from this process's DRAM tier; the "
@@ -209,6 +215,8 @@ class UCMScheduler:
             keys = self._keys(request)
             num_stored = self._lookup(keys)
             state = _RequestState(keys=keys, num_stored=num_stored, remote_decode=bool(params.get(DO_REMOTE_DECODE)))
+            if self.events is not None:
+                state.request = request
             self._requests[request.request_id] = state
         else:  # called again (not scheduled last time, or preempted): the store may have changed
             state.num_stored = self._lookup(state.keys)
@@ -298,6 +306,7 @@ class UCMScheduler:
                 start = state.num_hbm
                 keys = state.keys[start : start + len(state.load_block_ids)]
                 meta.loads.append(BlockTransfer(req_id, keys, state.load_block_ids))
+                self._note_blocks(state, start, start + len(keys))
                 state.load_block_ids = None
             if not self._dump:
                 continue
@@ -312,8 +321,14 @@ class UCMScheduler:
                         durable=state.remote_decode,
                     )
                 )
+                self._note_blocks(state, state.next_dump, full)
                 state.next_dump = full
         return meta
+
+    def _note_blocks(self, state: _RequestState, start: int, stop: int) -> None:
+        """With KV events on: remember the vLLM identity of prompt blocks ``[start, stop)`` (loaded or dumped)."""
+        if self.events is not None and state.request is not None:
+            self.events.note_blocks(state.request, start, rank_keys(state.keys[start:stop], 0, self._tp_size))
 
     def request_finished(self, request_id: str) -> dict[str, int] | None:
         """Forget a finished request; return the ``kv_transfer_params`` for its response.

@@ -30,17 +30,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm.config import UcmConfig, UcmConfigError, config_from_extra_config
 from ucm.integration.vllm.engine_info import data_parallel_rank, detect_layout, kv_spec, namespace
+from ucm.integration.vllm.events import MIN_KNOWN_BLOCKS, KVEventTranslator, ResidencyBuffer, kv_events_enabled
 from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.integration.vllm.metrics import Observability, UCMConnectorStats, UCMPromMetrics
 from ucm.integration.vllm.scheduler import UCMScheduler
 from ucm.integration.vllm.version import check_vllm_metadata
 from ucm.integration.vllm.worker import UCMWorker, load_buffer_blocks
-from ucm.logger import init_logger
+from ucm.logger import check_level_env, init_logger
 from ucm.store.pipeline import release_shared_store, shared_store
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -94,7 +98,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     Raises (at construction):
         UcmConfigError: the UCM config is invalid or its file is missing.
-        ValueError: ``kv_role`` is not one of kv_both, kv_producer, kv_consumer.
+        ValueError: ``kv_role`` is not one of kv_both, kv_producer, kv_consumer, or ``UC_LOGGER_LEVEL`` is not a log
+            level (debug, info, warning, error).
         UnsupportedEngineError: the engine's KV cache is not one UCM handles.
         VllmVersionMismatchError: the package metadata named ``vllm`` describes another version than the running
             vLLM (``ucm.integration.vllm.version``).
@@ -103,6 +108,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_vllm_metadata()  # a stale `vllm` metadata shim (tools/vllm_metadata.py) would misreport the version
+        check_level_env()  # only warned about where UCM is imported without being used (ucm.logger)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         kv_role = transfer.kv_role
@@ -120,8 +126,10 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._obs = Observability(
             self._ucm_config, self._spec.block_size, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         )
-        self._store = shared_store(self._ucm_config.store, self._require_writable)
+        self._store = shared_store(self._ucm_config.store, self._require_writable, self._ucm_config.load_timeout_s)
         self._closed = False
+        # vLLM's KV events (--kv-events-config): UCM's tiers publish too, see ucm.integration.vllm.events.
+        events = kv_events_enabled(vllm_config)
 
         self._scheduler: UCMScheduler | None = None
         self._worker: UCMWorker | None = None
@@ -141,6 +149,11 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 dp_rank=data_parallel_rank(vllm_config),
             )
             self._scheduler.recorder = self._obs.recorder
+            if events:
+                dram_blocks = self._ucm_config.store.cache_buffer_capacity_bytes // max(1, self._spec.block_nbytes)
+                self._scheduler.events = KVEventTranslator(
+                    self._spec.block_size, max(MIN_KNOWN_BLOCKS, 2 * dram_blocks)
+                )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -159,7 +172,11 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=tp_size,
                 layerwise=self._ucm_config.use_layerwise,
                 load_buffer_blocks=buffer_blocks,
+                load_timeout_s=self._ucm_config.load_timeout_s,
             )
+            if events:
+                self._worker.residency = ResidencyBuffer()
+                self._obs.recorder.add_key_sink(self._worker.residency.add)
             self._store.set_recorder(self._obs.recorder)
 
     # ---------------------------------------------------------------- worker side
@@ -217,6 +234,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------- metrics (both sides)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         # Worker: loads, dumps and the store's levels since the last step; scheduler: lookups. vLLM aggregates both.
+        if self._obs.stats is None:  # enable_metrics: false
+            return None
         gauges = self._store.gauges() if self._worker is not None else None
         return self._obs.stats.take(gauges)
 
@@ -232,6 +251,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
+        transfer = vllm_config.kv_transfer_config
+        if transfer is not None and not config_from_extra_config(transfer.kv_connector_extra_config).enable_metrics:
+            return None
         return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------- scheduler side
@@ -252,6 +274,16 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None and isinstance(meta, UCMWorkerMetadata):
             self._scheduler.add_stored_keys(meta.stored_keys, meta.reset_epoch)
             self._scheduler.forget_failed_keys(meta.failed_keys)
+            if self._scheduler.events is not None and meta.tier_events:
+                self._scheduler.events.add_tier_events(meta.tier_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """UCM's tiers' KV events since the last call (``BlockStored``/``BlockRemoved`` with ``medium`` ``CPU``
+        for the DRAM tier and ``STORAGE`` for storage; see :mod:`ucm.integration.vllm.events`); none unless vLLM's
+        KV events are on."""
+        if self._scheduler is None or self._scheduler.events is None:
+            return ()
+        return self._scheduler.events.take_events()
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset of external caches (``reset_prefix_cache(reset_connector=True)``, e.g. ``POST

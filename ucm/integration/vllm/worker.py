@@ -18,6 +18,14 @@ Layerwise (``use_layerwise: true``), per step:
   blocks into the dump's staging buffer; ``wait_for_save`` gathers any layer not seen and hands the buffer to the
   store, as blockwise does. The stored bytes are the same in both modes, so either reads what the other wrote.
 
+Deadline (``load_timeout_ms``): a step never waits longer than it for a load (blockwise: ``start_load_kv``;
+layerwise: from the load's start to its last layer) nor for a durable dump. A load past it is abandoned: every block
+of it is reported through ``get_block_ids_with_load_errors`` (vLLM recomputes them; layerwise, the layers already
+scattered are dropped with the rest) with one warning, and its staging buffer, which the store's late reads may
+still write into, is never read again (the next load gets a fresh one). The scatter into vLLM's paged KV happens
+only from a buffer the store has finished with, so late I/O never reaches KV that vLLM has reused. A durable dump
+past it keeps its staging buffer (reaped on later steps) and the step goes on.
+
 Cache reset: a step whose metadata carries a newer ``reset_epoch`` than the worker's starts with :meth:`UCMWorker.reset`
 (called from the connector's ``bind_connector_metadata``, before the step's loads).
 """
@@ -25,6 +33,7 @@ Cache reset: a step whose metadata carries a newer ``reset_epoch`` than the work
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +51,8 @@ from ucm.store.observe import requests_of
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ucm.integration.vllm.events import ResidencyBuffer
+
 logger = init_logger(__name__)
 
 
@@ -58,6 +69,7 @@ class _LayerLoad:
     next_layer: int = 0  # layers [0, next_layer) are scattered
     waited_s: float = 0.0  # time spent waiting for shards (seconds)
     scatter_s: float = 0.0  # time spent scattering (seconds)
+    timed_out: bool = False  # abandoned past load_timeout_ms: every block failed, nothing more scattered
 
 
 @dataclass
@@ -72,6 +84,7 @@ class _LayerDump:
 
 
 LOAD_BUFFER_MAX_BYTES = 1 << 30
+DEFAULT_LOAD_TIMEOUT_S = 10.0
 
 
 def load_buffer_blocks(max_model_len: int, spec: KVSpec) -> int:
@@ -96,9 +109,11 @@ class UCMWorker:
             copies every block into fresh memory, whose page faults contend with the I/O threads' and make those
             copies many times slower than copies into touched memory (figures in benchmarks/RESULTS.md, "Other
             one-off costs").
+        load_timeout_s: most seconds a step waits for a load or a durable dump (``load_timeout_ms``; see the
+            module docstring).
 
     Raises:
-        ValueError: ``load_buffer_blocks`` < 1.
+        ValueError: ``load_buffer_blocks`` < 1, or ``load_timeout_s`` not > 0.
     """
 
     def __init__(
@@ -110,9 +125,15 @@ class UCMWorker:
         tp_size: int = 1,
         layerwise: bool = False,
         load_buffer_blocks: int = 16,
+        load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
     ) -> None:
         if load_buffer_blocks < 1:
             raise ValueError(f"load_buffer_blocks must be >= 1, got {load_buffer_blocks}")
+        if not load_timeout_s > 0:
+            raise ValueError(f"load_timeout_s must be > 0 (seconds), got {load_timeout_s}")
+        self._load_timeout_s = load_timeout_s
+        # Flushes the store for durable dumps, so that the step can stop waiting for a stalled one.
+        self._flusher: ThreadPoolExecutor | None = None
         self._spec = spec
         self._layerwise = layerwise
         self._layer_index = {name: i for i, name in enumerate(spec.layer_names)}
@@ -130,6 +151,8 @@ class UCMWorker:
         self._failed_keys: list[bytes] = []
         self._load_buffer: torch.Tensor | None = None
         self._load_buffer_blocks = load_buffer_blocks
+        # With vLLM's KV events on: the tiers' changes, sent to the scheduler with the step's metadata.
+        self.residency: ResidencyBuffer | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer paged KV tensors, ordered as the KV spec's layers, detect their layout, warm the
@@ -182,10 +205,29 @@ class UCMWorker:
         """The first ``n`` blocks of a load buffer kept across steps (a step's load is over before the next one
         starts: when ``start_load_kv`` returns, or, layerwise, in ``wait_for_save``); reusing it spares the page
         faults of a fresh allocation per load. Allocated and paged in by :meth:`register_kv_caches`; a larger load
-        replaces it by one of ``n`` blocks."""
+        replaces it by one of ``n`` blocks; after :meth:`_abandon_load_buffer`, a new one of at least
+        ``load_buffer_blocks`` blocks."""
         if self._load_buffer is None or self._load_buffer.shape[0] < n:
-            self._load_buffer = self._staging(n)
+            self._load_buffer = self._staging(max(n, self._load_buffer_blocks))
         return self._load_buffer[:n]
+
+    def _abandon_load_buffer(self) -> None:
+        """Leave the load buffer to a load that timed out (the store may still write into it); later loads get a
+        new one. The store's task keeps the old one alive until it is done."""
+        self._load_buffer = None
+
+    def _timed_out(self, keys: list[bytes], block_ids: list[int], layerwise: bool) -> None:
+        """Record a load abandoned past ``load_timeout_ms``: every block failed (vLLM recomputes them), one warning."""
+        self._abandon_load_buffer()
+        self._load_errors |= set(block_ids)
+        self._failed_keys.extend(keys)
+        logger.warning(
+            "load of %d blocks did not finish within load_timeout_ms (%.0f ms)%s; vLLM recomputes them (the store "
+            "is stalled or slow: raise load_timeout_ms if it is only slow)",
+            len(keys),
+            self._load_timeout_s * 1e3,
+            " (layerwise: its layers already used are dropped with it)" if layerwise else "",
+        )
 
     @staticmethod
     def _flatten(transfers: list[BlockTransfer]) -> tuple[list[bytes], list[int]]:
@@ -215,7 +257,11 @@ class UCMWorker:
         rows = staging.view(torch.uint8).view(len(keys), -1)
         with requests_of([t.req_id for t in meta.loads]):  # named in the stages' observations
             task = self._store.load(rank_keys(keys, self._tp_rank, self._tp_size), rows)
-        result = self._store.wait(task)
+        try:
+            result = task.result(self._load_timeout_s)
+        except TimeoutError:  # abandoned: its buffer is never read again (see the module docstring)
+            self._timed_out(keys, block_ids, layerwise=False)
+            return
         t1 = time.perf_counter()
         ok = [i for i in range(len(keys)) if i not in result.failed]
         if result.failed:
@@ -271,12 +317,8 @@ class UCMWorker:
             task = self._store.dump(ranked, rows)
         if any(t.durable for t in meta.dumps):
             # A prefill for another instance: its response must not leave before the blocks are in storage.
-            t_wait = time.perf_counter()
-            result = self._store.wait(task)
-            self._store.flush()  # also blocks of this dump that an earlier, still running write-back is writing
-            if result.failed:
-                logger.warning("%d of %d blocks were not stored", len(result.failed), len(keys))
-            logger.debug("durable dump of %d blocks: waited %.1f ms", len(keys), (time.perf_counter() - t_wait) * 1e3)
+            if not self._wait_durable(task, rows, ranked):
+                return  # the store is stalled: nothing to report stored, and a lookup would wait again
         else:
             # Keep the staging buffer alive until the store has finished with it.
             self._pending_dumps.append((task, rows, ranked))
@@ -286,6 +328,34 @@ class UCMWorker:
             n = len(t.keys)
             self._stored_keys.extend(t.keys[: self._store.lookup(ranked[start : start + n])])
             start += n
+
+    def _wait_durable(self, task: Task, rows: torch.Tensor, keys: list[bytes]) -> bool:
+        """Wait for a durable dump's task and then for the store's earlier write-backs (which may be writing blocks
+        of this dump), at most ``load_timeout_s`` in all; return False when the time ran out. The step then goes on
+        with one warning: the blocks not stored by then are recomputed by the instance that loads them; the task
+        keeps ``rows`` (a staging copy, not vLLM's KV) until it is done."""
+        t_wait = time.perf_counter()
+        deadline = t_wait + self._load_timeout_s
+        try:
+            result = task.result(self._load_timeout_s)
+            if self._flusher is None:
+                self._flusher = ThreadPoolExecutor(1, thread_name_prefix="ucm-flush")
+            # One flush at a time: one still stalled makes the next wait behind it, and time out too.
+            self._flusher.submit(self._store.flush).result(max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:
+            if not task.done():
+                self._pending_dumps.append((task, rows, keys))  # reaped (and its failures logged) on later steps
+            logger.warning(
+                "durable dump of %d blocks did not finish within load_timeout_ms (%.0f ms); the response leaves "
+                "now and the instance that loads them recomputes the blocks not stored by then",
+                len(keys),
+                self._load_timeout_s * 1e3,
+            )
+            return False
+        if result.failed:
+            logger.warning("%d of %d blocks were not stored", len(result.failed), len(keys))
+        logger.debug("durable dump of %d blocks: waited %.1f ms", len(keys), (time.perf_counter() - t_wait) * 1e3)
+        return True
 
     # -- layerwise -------------------------------------------------------------------------------------------
 
@@ -312,13 +382,19 @@ class UCMWorker:
         self._scatter_layers(load, layer + 1)
 
     def _scatter_layers(self, load: _LayerLoad, stop: int) -> None:
+        """Scatter layers ``[load.next_layer, stop)``, each once the store has it; a load still not in at
+        ``load_timeout_s`` after its start is abandoned (:meth:`_timed_out`) and nothing more is scattered."""
         assert self._layout is not None
         device = self._kv_caches[0].device
         num_layers = len(self._kv_caches)
-        while load.next_layer < stop:
+        while load.next_layer < stop and not load.timed_out:
             first = load.next_layer
             t0 = time.perf_counter()
-            load.task.wait_shard(first)
+            left = load.started + self._load_timeout_s - t0
+            if not load.task.wait_shard(first, max(0.0, left)):
+                load.timed_out = True
+                self._timed_out(load.keys, load.block_ids, layerwise=True)
+                return
             t1 = time.perf_counter()
             # Every later layer that has arrived too goes in the same launch (fewer, larger scatters).
             end = first + 1
@@ -338,7 +414,15 @@ class UCMWorker:
             return
         self._scatter_layers(load, len(self._kv_caches))
         t_wait = time.perf_counter()
-        result = self._store.wait(load.task)
+        try:
+            if load.timed_out:
+                raise TimeoutError
+            result = load.task.result(max(0.0, load.started + self._load_timeout_s - t_wait))
+        except TimeoutError:  # validation still pending: every block failed, the buffer is left to the late reads
+            if not load.timed_out:
+                self._timed_out(load.keys, load.block_ids, layerwise=True)
+            invalidate_blocks(load.ids.cpu())
+            return
         if result.failed:
             failed_ids = {load.block_ids[i] for i in result.failed}
             self._load_errors |= failed_ids
@@ -425,10 +509,12 @@ class UCMWorker:
         logger.info("cache reset: dropped %d blocks from the DRAM tier%s", dropped, removed)
 
     def take_worker_meta(self) -> UCMWorkerMetadata | None:
-        """Keys stored and keys that failed to load since the last call, for the scheduler (``None``: none)."""
-        if not self._stored_keys and not self._failed_keys:
+        """Keys stored and keys that failed to load since the last call, and the tiers' changes (with KV events
+        on), for the scheduler (``None``: none)."""
+        tier_events = self.residency.take() if self.residency is not None else []
+        if not self._stored_keys and not self._failed_keys and not tier_events:
             return None
-        meta = UCMWorkerMetadata(self._stored_keys, self._failed_keys, self._reset_epoch)
+        meta = UCMWorkerMetadata(self._stored_keys, self._failed_keys, self._reset_epoch, tier_events)
         self._stored_keys, self._failed_keys = [], []
         return meta
 
@@ -439,6 +525,8 @@ class UCMWorker:
         return errors
 
     def shutdown(self) -> None:
-        """Wait for in-flight loads and dumps."""
+        """Wait for in-flight loads (at most ``load_timeout_s``) and dumps."""
         self._finish_layer_load()
         self._reap_dumps(block=True)
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=False)

@@ -19,6 +19,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from stat import S_ISDIR, S_ISREG
 from typing import NamedTuple
 
 import torch
@@ -28,7 +29,8 @@ from ucm.store.base import FOREIGN
 from ucm.store.codecs import CODEC_RAW
 from ucm.store.observe import NO_RECORDER, Observation, Recorder
 from ucm.store.posix.direct import AlignedBuffers
-from ucm.store.posix.format import DIR_MODE, block_file_path, dir_of, pack_header, temp_file_path
+from ucm.store.posix.format import DIR_MODE, block_file_path, dir_of, not_regular, pack_header, temp_file_path
+from ucm.store.posix.scan import remove_path
 
 logger = init_logger(__name__)
 
@@ -38,19 +40,59 @@ def row_bytes(row: torch.Tensor) -> memoryview:
     return row.numpy().data.cast("B")
 
 
-def remove_if_unchanged(path: str, stat: os.stat_result) -> None:
+def remove_if_unchanged(path: str, stat: os.stat_result) -> bool:
     """Remove the damaged file at ``path`` if it is still the file that was read (``stat``: from that read; a writer
     may have replaced it with a good block meanwhile; the check narrows, but cannot close, that window: at worst a
-    good block is lost, which is a miss, never wrong data). Errors are ignored: the block is a miss either way."""
-    with contextlib.suppress(OSError):
+    good block is lost, which is a miss, never wrong data). A directory in place of a block file is removed only
+    when empty (:func:`~ucm.store.posix.scan.remove_path`). Errors are ignored: the block is a miss either way.
+    Returns whether the file was removed."""
+    try:
         now = os.stat(path)
-        if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) == (
+        if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != (
             stat.st_dev,
             stat.st_ino,
             stat.st_size,
             stat.st_mtime_ns,
         ):
-            os.unlink(path)
+            return False
+        remove_path(path)
+    except OSError:
+        return False
+    return True
+
+
+def open_block_file(path: str, flags: int) -> tuple[int, os.stat_result]:
+    """Open the block file at ``path`` for reading with ``flags`` (``os.open`` flags) and ``fstat`` it, never waiting
+    on something that is not a regular file: the open adds ``O_NONBLOCK`` (a FIFO opens at once instead of waiting
+    for a writer, a device is not waited for) and ``O_NOCTTY``; a regular file then gets ``O_NONBLOCK`` cleared
+    (io_uring would otherwise answer ``EAGAIN`` for data not in the page cache).
+
+    Returns ``(fd, stat)``; ``fd`` is -1 (nothing left open) when the file is not a regular file:
+    ``not_regular(stat.st_mode)`` says what it is (also when the open failed because of that: ``O_DIRECT`` refused
+    with ``EINVAL`` on a FIFO or directory, ``ENXIO`` on a socket).
+
+    Raises:
+        OSError: the open, ``fstat`` or ``fcntl`` failed.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENXIO):
+            raise
+        st = os.stat(path)  # classify the refusal: a file that cannot be a block, or a fault of a regular file
+        if not_regular(st.st_mode) is None:
+            raise
+        return -1, st
+    try:
+        st = os.fstat(fd)
+        if not_regular(st.st_mode) is None:
+            os.set_blocking(fd, True)
+            return fd, st
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return -1, st
 
 
 class FaultLog:
@@ -174,10 +216,19 @@ class BlockFiles:
 
     def prepare_write(self, key: bytes, payload: memoryview, codec: int = CODEC_RAW) -> PreparedWrite | None:
         """The file to write for ``key``'s block (``payload``: ``B``-format, stored with codec ``codec``), or ``None``
-        when its file already exists (content is addressed by key: nothing to write)."""
+        when its file already exists (content is addressed by key: nothing to write). Anything else at the path (a
+        FIFO, device, socket: not a block) is replaced by the write's rename; an empty directory there is removed
+        now (a rename cannot replace it; one with entries stays, and the write fails with ``EISDIR``/``ENOTEMPTY``)."""
         path = self.path(key)
-        if os.path.exists(path):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:  # no file (or no access to it): write it
+            mode = None
+        if mode is not None and S_ISREG(mode):
             return None
+        if mode is not None and S_ISDIR(mode):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
         return PreparedWrite(path, temp_file_path(path), pack_header(codec, self.ns_tag, key, payload), payload)
 
     def make_dirs(self, key: bytes, shard: str) -> None:
@@ -215,8 +266,8 @@ class BlockFiles:
 
     def read_outcome(self, key: bytes, path: str, reason: str | OSError | None, stat: os.stat_result | None) -> bool:
         """A read's end, either engine: ``reason`` is ``None`` (valid block), an ``OSError`` (missing file: debug;
-        else a fault) or why the file is damaged or foreign (a damaged file is removed when still ``stat``). Returns
-        the key's success."""
+        else a fault) or why the file is damaged or foreign (a damaged file, a not regular one included, is removed
+        when still ``stat``). Returns the key's success."""
         if isinstance(reason, FileNotFoundError):
             logger.debug("posix store: block %s not found at %s", key.hex(), path)
             self._record_failure(key, "missing")
@@ -229,13 +280,17 @@ class BlockFiles:
         if reason is not None:
             kept = reason.startswith(FOREIGN)
             self._record_failure(key, "foreign" if kept else "damaged")
+            removed = False
             if not kept and stat is not None:
-                remove_if_unchanged(path, stat)
+                removed = remove_if_unchanged(path, stat)
+                self.recorder.record_keys(False, "storage", (key,))
             logger.warning(
                 "posix store: damaged block file %s: %s; treating as a miss%s",
                 path,
                 reason,
-                " (file kept: another format, codec or block size)" if kept else " and removed it",
+                " (file kept: another format, codec or block size)"
+                if kept
+                else (" and removed it" if removed else " (left in place: changed since read, or not removable)"),
             )
             return False
         return True

@@ -33,14 +33,17 @@ What else lives under a storage directory: temp files ``.*.tmp`` (a write in pro
 Validation (:func:`check_block`): magic, version, codec, payload size, key, exact file size (no trailing bytes) and
 checksum. A failure reason starting with :data:`~ucm.store.base.FOREIGN` (another format version, codec or block
 size: another UCM version sharing the directory, or a caller's size mismatch) means the file is to be kept; any
-other reason means it is damaged. Files are created with mode ``FILE_MODE`` (``0o600``) and shard directories with
-``DIR_MODE`` (``0o700``).
+other reason means it is damaged. Only a regular file can be a block file (:func:`not_regular`): a FIFO, device,
+socket or directory at a block path is a miss for ``lookup``, damage for a read (never opened in a way that can
+block), and is replaced by the next write of that key. Files are created with mode ``FILE_MODE`` (``0o600``) and
+shard directories with ``DIR_MODE`` (``0o700``).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 import struct
 import threading
 from collections.abc import Sequence
@@ -77,6 +80,38 @@ def block_file_path(dirs: Sequence[str], key: bytes) -> str:
     docstring's placement rule), whether or not it exists."""
     h = key.hex()
     return os.path.join(dir_of(dirs, key), h[0:2], h[2:4], h + FILE_SUFFIX)
+
+
+def key_of_path(path: str) -> bytes | None:
+    """The 16-byte key of the block file at ``path`` (its name: the key in hex, then ``FILE_SUFFIX``), or ``None``
+    when the name is not a block file's."""
+    name = os.path.basename(path)
+    if not name.endswith(FILE_SUFFIX) or len(name) != 32 + len(FILE_SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(name[:32])
+    except ValueError:
+        return None
+
+
+def not_regular(mode: int) -> str | None:
+    """Why a file of ``mode`` (``st_mode`` from ``stat``/``fstat``) cannot be a block file, naming what it is (a FIFO,
+    a device, a socket, a directory), or ``None`` for a regular file. A block file is always a regular file: anything
+    else at a block path is damage (a FIFO or a stalled device would block a reader for as long as nobody writes
+    to it)."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return f"not a regular file: {what}"
+    return f"not a regular file: mode {stat.S_IFMT(mode):#o}"
 
 
 def temp_file_path(path: str) -> str:

@@ -30,8 +30,16 @@ from ucm.store.posix.direct import (
     pread_direct,
     round_up,
 )
-from ucm.store.posix.files import BlockFiles, Decoded, DecodeTally, row_bytes
-from ucm.store.posix.format import FILE_MODE, HEADER, HEADER_NBYTES, KVFOLD_FILE, check_block, check_encoded
+from ucm.store.posix.files import BlockFiles, Decoded, DecodeTally, open_block_file, row_bytes
+from ucm.store.posix.format import (
+    FILE_MODE,
+    HEADER,
+    HEADER_NBYTES,
+    KVFOLD_FILE,
+    check_block,
+    check_encoded,
+    not_regular,
+)
 
 
 def write_all(fd: int, data: memoryview) -> None:
@@ -251,20 +259,24 @@ def load_encoded_one(files: BlockFiles, key: bytes, i: int, max_nbytes: int, con
 
 
 def _read_block_file(files: BlockFiles, key: bytes, read: Callable[[int, os.stat_result], str | None]) -> bool:
-    """Open ``key``'s block file, ``read(fd, stat)`` it (``None``: a valid block, else why not), refresh its recency
-    on a hit, close it; returns the key's success (:meth:`~ucm.store.posix.files.BlockFiles.read_outcome`)."""
+    """Open ``key``'s block file (:func:`~ucm.store.posix.files.open_block_file`: never blocking on a FIFO or
+    device; one that is not a regular file is damaged and never read), ``read(fd, stat)`` it (``None``: a valid
+    block, else why not), refresh its recency on a hit, close it; returns the key's success
+    (:meth:`~ucm.store.posix.files.BlockFiles.read_outcome`)."""
     path = files.path(key)
     reason: str | OSError | None
     stat: os.stat_result | None = None
     try:
-        fd = os.open(path, files.read_flags())
-        try:
-            stat = os.fstat(fd)
-            reason = read(fd, stat)
-            if reason is None:
-                touch(fd, stat)
-        finally:
-            os.close(fd)
+        fd, stat = open_block_file(path, files.read_flags())
+        if fd < 0:
+            reason = not_regular(stat.st_mode)
+        else:
+            try:
+                reason = read(fd, stat)
+                if reason is None:
+                    touch(fd, stat)
+            finally:
+                os.close(fd)
     except OSError as exc:
         reason = exc
     return files.read_outcome(key, path, reason, stat)

@@ -4,6 +4,9 @@ operator CLI (``python -m ucm.store``) share them.
 What lives under a storage directory (see :mod:`ucm.store.posix.format` for the placement and the file format):
 
 - block files: ``*.ucmb`` not starting with ``.``;
+- not regular files at block paths (:attr:`StoreScan.irregular`): a FIFO, device, socket or directory named like a
+  block file (never a block; damage, listed by ``verify`` and removed by ``verify --remove`` and ``clear``; the
+  store's next write of that key replaces it; a directory there is not descended into);
 - temp files: ``.*.tmp``, a dump in progress or left behind by a killed writer. A temp file is *stale* when its
   mtime is older than a given age (default :data:`DEFAULT_TMP_AGE_S`); a live writer finishes a block in well
   under that, so only stale temps are ever removed, which is safe with several instances sharing the directory;
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 
 from ucm.affinity import daemon_thread
 from ucm.logger import init_logger
+from ucm.store.observe import NO_RECORDER, Recorder
 from ucm.store.posix.format import (
     FILE_SUFFIX,
     FORMAT_VERSION,
@@ -47,6 +51,8 @@ from ucm.store.posix.format import (
     NAMESPACE_DIR,
     TMP_SUFFIX,
     TRACES_DIR,
+    key_of_path,
+    not_regular,
 )
 
 logger = init_logger(__name__)
@@ -74,6 +80,7 @@ class StoreScan:
     blocks: list[FileInfo] = field(default_factory=list)
     temps: list[FileInfo] = field(default_factory=list)
     others: list[FileInfo] = field(default_factory=list)
+    irregular: list[FileInfo] = field(default_factory=list)  # not regular files named like block files
 
     @property
     def block_bytes(self) -> int:
@@ -87,23 +94,30 @@ class StoreScan:
         return [f for f in self.temps if f.mtime_ns < limit]
 
 
+def _is_block_name(name: str) -> bool:
+    return name.endswith(FILE_SUFFIX) and not name.startswith(".")
+
+
 def _walk_files(root: str) -> Iterator[os.DirEntry[str]]:
-    """Regular files under ``root``, recursively, except ``root/namespaces/`` and ``root/traces/``; symlinks are
-    neither followed nor listed."""
+    """Regular files under ``root``, recursively, except ``root/namespaces/`` and ``root/traces/``, and the entries
+    named like block files that are neither regular files nor symlinks (a directory so named is listed, not
+    descended into); symlinks are neither followed nor listed. Lists names and types only: nothing is opened."""
     stack = [root]
     skip = {os.path.join(root, NAMESPACE_DIR), os.path.join(root, TRACES_DIR)}
     while stack:
         with contextlib.suppress(FileNotFoundError), os.scandir(stack.pop()) as it:
             for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    if entry.path not in skip:
-                        stack.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
+                if entry.is_symlink():
+                    continue
+                if entry.is_file(follow_symlinks=False) or _is_block_name(entry.name):
                     yield entry
+                elif entry.is_dir(follow_symlinks=False) and entry.path not in skip:
+                    stack.append(entry.path)
 
 
 def scan_store(dirs: Sequence[str]) -> StoreScan:
-    """List the block, temp and other files under ``dirs`` with their sizes and times (reads no file data).
+    """List the block, temp and other files under ``dirs`` with their sizes and times (reads no file data), and
+    the not regular files at block paths (:attr:`StoreScan.irregular`).
 
     A file or directory that disappears during the scan (a concurrent gc or rename) is skipped.
 
@@ -119,7 +133,9 @@ def scan_store(dirs: Sequence[str]) -> StoreScan:
                 continue
             info = FileInfo(entry.path, st.st_size, max(st.st_atime_ns, st.st_mtime_ns), st.st_mtime_ns)
             name = entry.name
-            if name.endswith(FILE_SUFFIX) and not name.startswith("."):
+            if not_regular(st.st_mode) is not None:
+                scan.irregular.append(info)
+            elif _is_block_name(name):
                 scan.blocks.append(info)
             elif name.endswith(TMP_SUFFIX) and name.startswith("."):
                 scan.temps.append(info)
@@ -146,6 +162,23 @@ def gc_plan(scan: StoreScan, target_bytes: int) -> list[FileInfo]:
     return plan
 
 
+def remove_path(path: str) -> None:
+    """Remove the file at ``path``: ``unlink``, or ``rmdir`` for a directory (a directory at a block path; only an
+    empty one is removed: UCM never deletes a tree it did not write).
+
+    Raises:
+        OSError: the removal failed (``ENOTEMPTY`` for a directory with entries; ``FileNotFoundError`` when gone).
+    """
+    try:
+        os.unlink(path)
+    except IsADirectoryError:
+        os.rmdir(path)
+    except PermissionError:  # unlink of a directory is EPERM on some systems (EISDIR on Linux)
+        if not os.path.isdir(path):
+            raise
+        os.rmdir(path)
+
+
 @dataclass
 class Deletion:
     """Result of :func:`delete_files`: files and bytes freed, and ``(path, error)`` for each failed deletion."""
@@ -153,17 +186,18 @@ class Deletion:
     files: int = 0
     bytes: int = 0
     errors: list[tuple[str, str]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # the files freed
 
 
 def delete_files(
     files: Sequence[FileInfo], progress: Callable[[Sequence[FileInfo]], Iterable[FileInfo]] = iter
 ) -> Deletion:
-    """Unlink ``files`` (iterated through ``progress``, e.g. a progress bar); a file already gone counts as freed,
-    other errors are collected, never raised."""
+    """Remove ``files`` (iterated through ``progress``, e.g. a progress bar; :func:`remove_path`: an empty directory
+    too); a file already gone counts as freed, other errors are collected, never raised."""
     result = Deletion()
     for f in progress(files):
         try:
-            os.unlink(f.path)
+            remove_path(f.path)
         except FileNotFoundError:
             pass
         except OSError as err:
@@ -171,22 +205,31 @@ def delete_files(
             continue
         result.files += 1
         result.bytes += f.size
+        result.paths.append(f.path)
     return result
 
 
+def keys_of_paths(paths: Iterable[str]) -> list[bytes]:
+    """The block keys of the block files at ``paths`` (other names skipped)."""
+    return [key for key in map(key_of_path, paths) if key is not None]
+
+
 def open_noatime(path: str) -> int:
-    """Open ``path`` read-only without updating its atime where allowed (``O_NOATIME`` needs file ownership).
+    """Open ``path`` read-only without updating its atime where allowed (``O_NOATIME`` needs file ownership), with
+    ``O_NONBLOCK`` and ``O_NOCTTY``, so that a FIFO or device in place of a block file never blocks the open (a
+    caller reading a regular file may then clear ``O_NONBLOCK``; a read of a FIFO fails with ``ESPIPE``).
 
     Raises:
-        OSError: the file cannot be opened.
+        OSError: the file cannot be opened (``ENXIO`` for a socket).
     """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
     noatime = getattr(os, "O_NOATIME", 0)
     if noatime:
         try:
-            return os.open(path, os.O_RDONLY | noatime)
+            return os.open(path, flags | noatime)
         except PermissionError:
             pass
-    return os.open(path, os.O_RDONLY)
+    return os.open(path, flags)
 
 
 def read_namespace_tag(path: str) -> int | None:
@@ -256,6 +299,7 @@ class Collector:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = daemon_thread(self._maintain, "ucm-posix-gc")
+        self.recorder: Recorder = NO_RECORDER  # told which block files a collection deleted (KV events)
 
     def start(self) -> None:
         """Start the maintenance thread (a first collection, then collections as writes call for them)."""
@@ -309,6 +353,8 @@ class Collector:
             if self._capacity is not None and scan.block_bytes > self._capacity:
                 plan = gc_plan(scan, int(self._capacity * GC_LOW_WATERMARK))
             blocks = delete_files(plan)
+            if self.recorder.tracks_keys:
+                self.recorder.record_keys(False, "storage", keys_of_paths(blocks.paths))
             with self._usage_lock:
                 self._usage_estimate = scan.block_bytes - blocks.bytes + self._written_since_scan
                 self._deleted_blocks += blocks.files

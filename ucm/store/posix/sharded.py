@@ -31,8 +31,16 @@ import torch
 from ucm.store.base import FOREIGN, ShardProgress
 from ucm.store.codecs import CODEC_KVFOLD
 from ucm.store.posix.direct import AlignedBuffers
-from ucm.store.posix.files import BlockFiles, Decoded, DecodeTally, row_bytes
-from ucm.store.posix.format import FORMAT_VERSION, HEADER, HEADER_NBYTES, KVFOLD_FILE, MAGIC, check_block
+from ucm.store.posix.files import BlockFiles, Decoded, DecodeTally, open_block_file, row_bytes
+from ucm.store.posix.format import (
+    FORMAT_VERSION,
+    HEADER,
+    HEADER_NBYTES,
+    KVFOLD_FILE,
+    MAGIC,
+    check_block,
+    not_regular,
+)
 from ucm.store.posix.psync import pread_range, read_decoded
 
 
@@ -76,6 +84,7 @@ class ShardedRead:
         self.got = 0  # header and payload bytes read, over all runs
         self.error: BaseException | None = None  # the first failure (the open's, when it failed)
         self.decoded: Decoded | None = None  # a KVfold file: read whole and decoded by open
+        self.irregular: str | None = None  # not a regular file (a FIFO...): why; never read
         self.tally = tally
         self._fd = -1
         self._remaining = num_runs
@@ -83,20 +92,24 @@ class ShardedRead:
 
     def open(self, flags: int, direct: AlignedBuffers | None) -> int | None:
         """The block file's fd, opened with ``flags`` (and ``fstat``-ed) by the first caller; ``None`` when the key
-        has already failed or was decoded (later runs need not be read). A file of another size than the raw
-        block's that is a KVfold file is read whole and decoded into the row by the first caller, under the lock
-        (the key's other runs wait, so no shard of the row is reported before its decoded bytes are in).
+        has already failed or was decoded (later runs need not be read), or is not a regular file
+        (:func:`~ucm.store.posix.files.open_block_file`: never blocks; :attr:`irregular` says what it is). A file of
+        another size than the raw block's that is a KVfold file is read whole and decoded into the row by the first
+        caller, under the lock (the key's other runs wait, so no shard of the row is reported before its decoded
+        bytes are in).
 
         Raises:
             OSError: the open or a read failed.
         """
         with self._lock:
-            if self.error is not None or self.decoded is not None:
+            if self.error is not None or self.decoded is not None or self.irregular is not None:
                 return None
             if self._fd < 0:
-                fd = os.open(self.path, flags)
+                fd, self.stat = open_block_file(self.path, flags)
+                if fd < 0:
+                    self.irregular = not_regular(self.stat.st_mode)
+                    return None
                 try:
-                    self.stat = os.fstat(fd)
                     if self.stat.st_size != HEADER_NBYTES + self.payload.nbytes:
                         self.decoded = read_decoded_if_kvfold(fd, self.stat.st_size, self.key, self.row, direct)
                 except BaseException:
@@ -160,7 +173,9 @@ def finish_sharded(files: BlockFiles, read: ShardedRead) -> None:
         read.future.set_exception(read.error)
         return
     reason: str | OSError | None = read.error
-    if reason is None and read.decoded is not None:  # a KVfold file, read and decoded when opened
+    if reason is None and read.irregular is not None:  # not a regular file: never read, damaged
+        reason = read.irregular
+    elif reason is None and read.decoded is not None:  # a KVfold file, read and decoded when opened
         reason = read.tally.add(read.decoded)
         if reason is None:
             assert read.stat is not None

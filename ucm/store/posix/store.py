@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
+from stat import S_ISREG
 from typing import Any, Literal
 
 import torch
@@ -91,6 +92,7 @@ from ucm.store.posix.scan import (
     FileInfo,
     GcResult,
     delete_files,
+    keys_of_paths,
     namespace_blocks,
     scan_store,
 )
@@ -252,12 +254,17 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             ``kv_consumer``, which only loads) a read-only directory (read-only mount or permissions) is accepted
             and only read: no namespace file, no temp clean-up or garbage collection there, and a damaged block in
             it is a miss that stays in place (logged once at start).
+        lookup_timeout_s: most seconds one :meth:`lookup` waits for its ``stat`` calls, which run on a thread of
+            their own (a hung mount blocks them without bound); past it the lookup is a miss (0), with one warning,
+            and later lookups are misses at once until that ``stat`` returns (logged too). ``None``: the calls run
+            on the caller's thread, unbounded.
 
     Raises:
         ValueError: ``storage_backends`` is empty or has an empty entry; a path exists but is not a directory,
             cannot be created, or is not writable; ``io_threads`` < 1; ``capacity_bytes`` <= 0; ``tmp_age_s`` or
-            ``gc_interval_s`` <= 0; ``io_direct`` and a directory's filesystem refuses ``O_DIRECT``; an unknown
-            ``io_engine``, or ``aio`` where io_uring is not usable (no silent fallback).
+            ``gc_interval_s`` <= 0; ``lookup_timeout_s`` neither ``None`` nor > 0; ``io_direct`` and a directory's
+            filesystem refuses ``O_DIRECT``; an unknown ``io_engine``, or ``aio`` where io_uring is not usable (no
+            silent fallback).
     """
 
     def __init__(
@@ -271,7 +278,10 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         io_direct: bool = False,
         io_engine: Literal["psync", "aio"] = "psync",
         require_writable: bool = True,
+        lookup_timeout_s: float | None = None,
     ) -> None:
+        if lookup_timeout_s is not None and not lookup_timeout_s > 0:
+            raise ValueError(f"lookup_timeout_s must be > 0 (seconds) or None (unbounded), got {lookup_timeout_s}")
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         if capacity_bytes is not None and capacity_bytes <= 0:
@@ -315,6 +325,10 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         self._tasks: set[Future[TaskResult]] = set()  # aio: tasks not done yet, which close waits for
         self._tasks_lock = threading.Lock()
         self._lossy_logged = False
+        self._lookup_timeout_s = lookup_timeout_s
+        self._stat_pool = thread_pool(1, "ucm-posix-stat") if lookup_timeout_s is not None else None
+        self._stalled_lookup: Future[int] | None = None  # a lookup past its bound, still blocked in stat
+        self._lookup_lock = threading.Lock()
         if len(self._read_only_dirs) < len(self._dirs):  # nothing to clean up or collect where nothing is written
             self._collector.start()
 
@@ -337,6 +351,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         (``load_failure``, with its cause) into ``recorder``."""
         self._recorder = recorder
         self._files.recorder = recorder
+        self._collector.recorder = recorder
 
     def gauges(self) -> dict[str, float]:
         """``storage:used_bytes`` (block files in the writable directories at the last scan, plus this process's
@@ -351,15 +366,50 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
     # -- contract -------------------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Number of leading ``keys`` (16-byte ``bytes``) whose block file exists. Reads no block data.
+        """Number of leading ``keys`` (16-byte ``bytes``) whose block file exists as a regular file (a FIFO, device,
+        socket or directory at a block path is a miss, replaced by the next dump of that key; a path that cannot be
+        ``stat``-ed is a miss too). Reads no block data and opens nothing. With ``lookup_timeout_s``, 0 when the
+        ``stat`` calls do not return within it, or while an earlier lookup's are still blocked (see the class doc).
 
         Raises:
             TypeError / ValueError: a key is not 16 ``bytes``.
         """
         check_keys(keys)
+        if self._stat_pool is None or self._lookup_timeout_s is None:
+            return self._present(keys)
+        with self._lookup_lock:
+            stalled = self._stalled_lookup
+            if stalled is not None:
+                if not stalled.done():
+                    return 0
+                self._stalled_lookup = None
+                logger.info("posix store: lookups answer again (a stat that had blocked has returned)")
+            try:
+                future = self._stat_pool.submit(self._present, list(keys))
+            except RuntimeError:  # closed concurrently
+                return 0
+        try:
+            return future.result(self._lookup_timeout_s)
+        except TimeoutError:
+            with self._lookup_lock:
+                if self._stalled_lookup is None:
+                    self._stalled_lookup = future
+            logger.warning(
+                "posix store: a lookup of %d blocks did not finish within load_timeout_ms (%.0f ms): the storage "
+                "is not answering (a hung mount?); lookups are misses until it answers",
+                len(keys),
+                self._lookup_timeout_s * 1e3,
+            )
+            return 0
+
+    def _present(self, keys: Sequence[bytes]) -> int:
+        """Leading ``keys`` whose block file is a regular file (``stat`` on the calling thread)."""
         n = 0
         for key in keys:
-            if not os.path.exists(self.block_path(key)):
+            try:
+                if not S_ISREG(os.stat(self.block_path(key)).st_mode):
+                    break
+            except OSError:
                 break
             n += 1
         return n
@@ -434,7 +484,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             progress = ShardProgress(num_shards, len(keys))
         tally = DecodeTally()
         gather = _Gather(len(keys), "load", lambda: self._log_decodes(tally, len(keys)), on_row)
-        self._observe(gather, "load", lambda _i: dst.shape[1])
+        self._observe(gather, "load", lambda _i: dst.shape[1], keys)
         per_read = max(1, -(-SHARDED_READ_BYTES // shard_nbytes))  # shards per read
         ranges = [(a, min(a + per_read, num_shards)) for a in range(0, num_shards, per_read)]
         reads = [ShardedRead(key, self.block_path(key), dst[i], len(ranges), tally) for i, key in enumerate(keys)]
@@ -448,8 +498,9 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
     def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:
         """Start writing the rows of ``src`` (uint8 ``[len(keys), block_nbytes]``) as the blocks of ``keys``.
 
-        A key whose file already exists is skipped and counted as stored (content is addressed by key). I/O
-        errors never raise: the key is reported failed and one warning per errno kind is logged.
+        A key whose block file already exists is skipped and counted as stored (content is addressed by key); a
+        FIFO, device, socket or empty directory at its path (not a block) is replaced. I/O errors never raise: the
+        key is reported failed and one warning per errno kind is logged.
 
         Raises:
             TypeError / ValueError: bad keys or ``src`` (see :func:`~ucm.store.base.check_keys_and_buffer`).
@@ -586,6 +637,8 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
                 tasks = list(self._tasks)
             futures_wait(tasks)
         self._pool.shutdown(wait=True)
+        if self._stat_pool is not None:  # a stat blocked on a hung mount must not hold up the close
+            self._stat_pool.shutdown(wait=False)
         if self._uring is not None:  # nothing in flight: stop the reaper, release the ring
             self._uring.close()
         self._collector.stop()
@@ -623,6 +676,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             except OSError as exc:
                 result.errors.append(f"{exc.filename}: cannot list: {exc.strerror or exc}")
         deletion = delete_files(files)
+        self._recorder.record_keys(False, "storage", keys_of_paths(deletion.paths))
         result.blocks, result.nbytes = deletion.files, deletion.bytes
         result.errors.extend(f"{path}: {reason}" for path, reason in deletion.errors)
         return result
@@ -655,7 +709,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         if not keys:
             return Task.completed(TaskResult(0))
         gather = _Gather(len(keys), what, on_finish)
-        self._observe(gather, what, nbytes_of)
+        self._observe(gather, what, nbytes_of, keys)
         aio = self._aio
         if aio is not None:
             with self._tasks_lock:
@@ -681,18 +735,23 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
         :func:`~ucm.store.posix.sharded.load_shards`). Never raises."""
         load_shards(self._files, read, first, stop, shard_nbytes, progress)
 
-    def _observe(self, gather: _Gather, op: Op, nbytes_of: Callable[[int], int]) -> None:
+    def _observe(self, gather: _Gather, op: Op, nbytes_of: Callable[[int], int], keys: Sequence[bytes]) -> None:
         """Record ``gather``'s task as one observation (tier ``storage``) when it finishes: its keys, those that
         succeeded, their bytes (``nbytes_of(i)``: key ``i``'s payload bytes), its time from now, the requests of the
-        caller's context."""
+        caller's context. A dump's stored ``keys`` are also recorded as held (:meth:`Recorder.record_keys`)."""
         recorder = self._recorder
-        if not recorder.enabled:
+        track_keys = op == "dump" and recorder.tracks_keys
+        if not recorder.enabled and not track_keys:
             return
         t0 = time.perf_counter()
         requests = current_requests()
 
         def on_result(result: TaskResult) -> None:
             ok = [i for i in range(result.num_keys) if i not in result.failed]
+            if track_keys:
+                recorder.record_keys(True, "storage", [keys[i] for i in ok])
+            if not recorder.enabled:
+                return
             nbytes = sum(nbytes_of(i) for i in ok)
             seconds = time.perf_counter() - t0
             recorder.record(

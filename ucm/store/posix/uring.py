@@ -42,8 +42,8 @@ from ucm.affinity import daemon_thread
 from ucm.logger import init_logger
 from ucm.store.codecs import CODEC_RAW
 from ucm.store.posix.direct import DirectBufferPool, fill_aligned
-from ucm.store.posix.files import BlockFiles, DecodeTally, row_bytes
-from ucm.store.posix.format import FILE_MODE, HEADER_NBYTES, KVFOLD_FILE, check_block
+from ucm.store.posix.files import BlockFiles, DecodeTally, open_block_file, row_bytes
+from ucm.store.posix.format import FILE_MODE, HEADER_NBYTES, KVFOLD_FILE, check_block, not_regular
 from ucm.store.posix.psync import load_one, touch
 
 logger = init_logger(__name__)
@@ -364,14 +364,16 @@ class AioEngine:
         path = self.files.path(key)
         payload = row_bytes(row)
         pool = self.buffers
-        try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if pool is not None else 0))
+        try:  # never blocks on a FIFO or device in place of the file; one that is not a regular file is damaged
+            fd, stat = open_block_file(path, os.O_RDONLY | (os.O_DIRECT if pool is not None else 0))
         except OSError as exc:
             done.set_result(self.files.read_outcome(key, path, exc, None))
             return
+        if fd < 0:
+            done.set_result(self.files.read_outcome(key, path, not_regular(stat.st_mode), stat))
+            return
         aligned: memoryview | None = None
         try:
-            stat = os.fstat(fd)
             expected = HEADER_NBYTES + payload.nbytes
             if pool is None:
                 header = memoryview(bytearray(HEADER_NBYTES))

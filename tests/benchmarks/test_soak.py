@@ -1,0 +1,69 @@
+"""Tests of ``benchmarks/soak.py``: the output comparison, the option errors, and its short form on the tiny model
+(real ``vllm serve`` instances on one store and a reference, concurrent clients, every kind of fault)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.benchmarks import BENCHMARKS, load_script
+from ucm.testing.models import ensure_tiny_llama
+
+SCRIPT = BENCHMARKS / "soak.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load_script("soak")
+
+
+def test_compare_tells_near_ties_from_mismatches(bench: ModuleType) -> None:
+    top = [{"a": -0.1, "b": -3.0}, {"c": -0.70, "d": -0.71}]
+    assert bench.compare([1, 2], [1, 2], top, 0.05) == "matched"
+    assert bench.compare([1, 3], [1, 2], top, 0.05) == "near_tie"  # the reference hesitated at token 1
+    assert bench.compare([9, 2], [1, 2], top, 0.05) == "mismatched"  # it did not at token 0
+    assert bench.compare([1], [1, 2], top, 0.05) == "near_tie"  # shorter: differs at 1
+    assert bench.compare([1, 3], [1, 2], top, 0.001) == "mismatched"
+
+
+def test_rss_growth_is_taken_within_one_incarnation(bench: ModuleType) -> None:
+    rows = [
+        {"t_s": 10, "ucm0_rss_mib": 100.0, "ucm0_incarnation": 0},
+        {"t_s": 60, "ucm0_rss_mib": 110.0, "ucm0_incarnation": 0},
+        {"t_s": 70, "ucm0_rss_mib": 90.0, "ucm0_incarnation": 1},  # restarted after mid-run
+        {"t_s": 100, "ucm0_rss_mib": 99.0, "ucm0_incarnation": 1},
+    ]
+    assert bench.rss_growth_last_half(rows, 1) == {"ucm0": 0.1}
+
+
+def test_bad_options_are_named(bench: ModuleType, capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--faults", "kill", "meteor"])
+    assert "--faults meteor: unknown; allowed: corrupt, truncate" in capsys.readouterr().err
+
+
+@pytest.mark.engine
+def test_short_soak_loses_nothing(tmp_path: Path) -> None:
+    model = ensure_tiny_llama(Path("models"))
+    out = tmp_path / "soak.json"
+    cmd = [
+        sys.executable, str(SCRIPT), "--model", str(model), "--duration-s", "50", "--concurrency", "6",
+        "--max-model-len", "512", "--max-tokens", "4", "--dram-gb", "0.002",
+        "--storage-gb", "0.01", "--fault-interval-s", "2", "--sample-interval-s", "5", "--load-timeout-ms", "3000",
+        "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    requests = summary["requests"]
+    assert proc.returncode == 0, (requests, summary["crashes"], summary["verify"], proc.stderr[-3000:])
+    assert requests["mismatched"] == 0 and requests["hung"] == 0 and not summary["crashes"]
+    assert requests["matched"] > 20, requests
+    assert summary["verify"]["exit_status"] == 0, summary["verify"]
+    assert sum(n for kind, n in summary["faults"].items() if "failed" not in kind) >= 5, summary["faults"]
+    assert summary["timeline"] and (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
