@@ -3,6 +3,8 @@ in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,25 @@ def tokenizer(tiny_model: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+class _LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+@pytest.fixture
+def ucm_lines() -> Iterator[list[str]]:
+    """UCM's log lines during the test, each ``"LEVEL message"`` (the ``ucm`` logger does not propagate to pytest's
+    caplog)."""
+    handler = _LogLines()
+    logger = logging.getLogger("ucm")
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)

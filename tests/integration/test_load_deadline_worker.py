@@ -15,7 +15,6 @@ The engine-level test (outputs identical, vLLM recomputing) is ``tests/faults/te
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
@@ -73,27 +72,6 @@ def _written(caches: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -
     )
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname} {record.getMessage()}")
-
-
-@pytest.fixture
-def warnings() -> Iterator[list[str]]:
-    """UCM's warning lines during the test (its logger does not propagate to caplog)."""
-    handler = _Lines()
-    handler.setLevel(logging.WARNING)
-    logging.getLogger("ucm").addHandler(handler)
-    try:
-        yield handler.lines
-    finally:
-        logging.getLogger("ucm").removeHandler(handler)
-
-
 @pytest.fixture
 def hung(tmp_path: Path) -> Iterator[tuple[PosixStore, dict[str, torch.Tensor], int]]:
     """A Posix store on a FUSE mount holding the 3 source blocks; yields it, the source caches and the daemon's pid.
@@ -117,7 +95,7 @@ def hung(tmp_path: Path) -> Iterator[tuple[PosixStore, dict[str, torch.Tensor], 
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["blockwise", "layerwise"])
-def test_load_past_the_deadline_fails_every_block_and_never_writes_late(hung, warnings, layerwise) -> None:
+def test_load_past_the_deadline_fails_every_block_and_never_writes_late(hung, ucm_lines, layerwise) -> None:
     store, source, pid = hung
     caches = _caches(seed=None)
     worker = _worker(store, caches, layerwise)
@@ -135,8 +113,8 @@ def test_load_past_the_deadline_fails_every_block_and_never_writes_late(hung, wa
         assert worker_meta is not None and worker_meta.failed_keys == KEYS
         assert _untouched(caches)
         assert worker._load_buffer is not first_buffer  # left to the late reads
-        timeouts = [ln for ln in warnings if "did not finish within load_timeout_ms" in ln]
-        assert len(timeouts) == 1 and timeouts[0].startswith("WARNING load of 3 blocks"), warnings
+        timeouts = [ln for ln in ucm_lines if "did not finish within load_timeout_ms" in ln]
+        assert len(timeouts) == 1 and timeouts[0].startswith("WARNING load of 3 blocks"), ucm_lines
         assert f"({TIMEOUT_S * 1e3:.0f} ms)" in timeouts[0]
     # The late reads land in the abandoned buffer, never in the paged KV.
     assert first_buffer is not None
@@ -158,7 +136,7 @@ def test_load_past_the_deadline_fails_every_block_and_never_writes_late(hung, wa
     worker.shutdown()
 
 
-def test_durable_dump_past_the_deadline_returns_and_stores_later(hung, warnings, tmp_path) -> None:
+def test_durable_dump_past_the_deadline_returns_and_stores_later(hung, ucm_lines, tmp_path) -> None:
     store, _source, pid = hung
     caches = _caches(seed=2)
     worker = _worker(store, caches, layerwise=False)
@@ -168,8 +146,8 @@ def test_durable_dump_past_the_deadline_returns_and_stores_later(hung, warnings,
         t0 = time.monotonic()
         worker.wait_for_save(meta)
         assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + MARGIN_S
-        timeouts = [ln for ln in warnings if "durable dump of 2 blocks did not finish within load_timeout_ms" in ln]
-        assert len(timeouts) == 1, warnings
+        timeouts = [ln for ln in ucm_lines if "durable dump of 2 blocks did not finish within load_timeout_ms" in ln]
+        assert len(timeouts) == 1, ucm_lines
         assert len(worker._pending_dumps) == 1  # its staging buffer stays with the store's task
     worker.shutdown()  # waits for the pending dump
     assert store.lookup(keys) == 2

@@ -12,7 +12,6 @@ The engine-level deadline (``load_timeout_ms``) is in ``tests/faults/test_stalle
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -33,28 +32,6 @@ NBYTES = 3 * 4096 + 52  # not a power of two
 NUM_KEYS = 3
 TIMEOUT_S = 0.5
 MARGIN_S = 2.0
-
-
-class _Lines(logging.Handler):
-    """UCM's log lines (its logger does not propagate to pytest's caplog)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname} {record.getMessage()}")
-
-
-@pytest.fixture
-def ucm_lines() -> Iterator[list[str]]:
-    handler = _Lines()
-    logger = logging.getLogger("ucm")
-    logger.addHandler(handler)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
 
 
 @pytest.fixture
