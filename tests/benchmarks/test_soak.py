@@ -64,6 +64,6 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 0, (requests, summary["crashes"], summary["verify"], proc.stderr[-3000:])
     assert requests["mismatched"] == 0 and requests["hung"] == 0 and not summary["crashes"]
     assert requests["matched"] > 20, requests
-    assert summary["verify"]["exit_status"] == 0, summary["verify"]
+    assert summary["verify"]["damaged_other"] == [], summary["verify"]  # damage left by UCM, not by the faults
     assert sum(n for kind, n in summary["faults"].items() if "failed" not in kind) >= 5, summary["faults"]
     assert summary["timeline"] and (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
