@@ -280,3 +280,14 @@ def block_ids_of(out: SchedulerOutput, req_id: str) -> list[int]:
     new_ids = cached.new_block_ids[i]
     assert new_ids is not None
     return list(new_ids[0])
+
+
+def paged_caches(spec: KVSpec, num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
+    """Random CPU_ATTN paged caches ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` per layer of ``spec``
+    (bf16), or all-NaN ones (``seed`` None) so that a block written into them shows."""
+    g = torch.Generator().manual_seed(seed or 0)
+    shape = (num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_dim)
+    return {
+        n: (torch.randn(shape, generator=g) if seed is not None else torch.full(shape, float("nan"))).bfloat16()
+        for n in spec.layer_names
+    }

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.helpers import paged_caches
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.worker import LOAD_BUFFER_MAX_BYTES, UCMWorker, load_buffer_blocks
@@ -30,13 +31,7 @@ SOURCE_IDS, TARGET_IDS = [1, 4, 6], [7, 0, 3]
 
 
 def _caches(seed: int | None) -> dict[str, torch.Tensor]:
-    """Random bf16 CPU_ATTN paged caches, or all-NaN ones (``seed`` None) so an unwritten block shows."""
-    g = torch.Generator().manual_seed(seed or 0)
-    shape = (NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * DIM)
-    return {
-        n: (torch.randn(shape, generator=g) if seed is not None else torch.full(shape, float("nan"))).bfloat16()
-        for n in LAYERS
-    }
+    return paged_caches(SPEC, NUM_BLOCKS, seed)
 
 
 SPEC = KVSpec(LAYERS, BLOCK_SIZE, HEADS, DIM, torch.bfloat16)

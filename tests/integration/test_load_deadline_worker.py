@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.helpers import paged_caches
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.worker import UCMWorker
@@ -45,13 +46,7 @@ MARGIN_S = 2.0
 
 
 def _caches(seed: int | None) -> dict[str, torch.Tensor]:
-    """Random bf16 CPU_ATTN paged caches, or all-NaN ones (``seed`` None) so that a written block shows."""
-    g = torch.Generator().manual_seed(seed or 0)
-    shape = (NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * DIM)
-    return {
-        n: (torch.randn(shape, generator=g) if seed is not None else torch.full(shape, float("nan"))).bfloat16()
-        for n in LAYERS
-    }
+    return paged_caches(SPEC, NUM_BLOCKS, seed)
 
 
 def _worker(store: PosixStore, caches: dict[str, torch.Tensor], layerwise: bool) -> UCMWorker:
