@@ -17,8 +17,9 @@ What runs (all real processes on 127.0.0.1):
   (``corrupt``), cut short (``truncate``), deleted (``delete``), replaced by a FIFO (``fifo``: a read that would
   block forever, which UCM's load deadline must turn into a miss); the store directory remounted read-only for a
   few seconds (``readonly``, a read-only bind mount: needs root, reported unavailable otherwise); one UCM instance
-  SIGKILLed and restarted (``kill``); ``python -m ucm.store gc`` (``gc``) and ``verify --remove`` (``verify``)
-  run concurrently with the servers.
+  SIGKILLed and restarted (``kill``; on its own clock with ``--kill-interval-s``, so that a long run can keep an
+  instance up long enough to measure its memory); ``python -m ucm.store gc`` (``gc``) and ``verify --remove``
+  (``verify``) run concurrently with the servers.
 
 How outputs are compared. Each request asks for its top-2 log-probabilities. An answer equal to the reference's
 counts as ``matched``. When they differ, at the first differing token: if the reference's two best tokens were
@@ -27,10 +28,12 @@ pair counts as ``near_tie``; otherwise it is ``mismatched`` (wrong KV shows as l
 A request that gets no answer within ``--request-timeout-s`` is ``hung``; a request refused or cut because its
 instance was killed by the soak is ``aborted_by_kill``; any other failure is an error, counted by kind.
 
-Reported (the last line printed is a JSON object): requests sent, matched, near ties, mismatched, hung, errors by
-kind, faults by kind, kills and unexpected engine exits (a UCM instance that died without being killed is restarted
-and counted as ``crashes``; a restart that fails to start is retried and listed in ``restart_failures``), TTFT
-p50/p99 of the UCM instances (ms, client side), and, every ``--sample-interval-s``: the hit rate of the interval
+Reported (the last line printed is a JSON object): requests sent, matched, near ties, mismatched (and the first 20
+mismatches: instance, incarnation, prompt length, first differing position, the reference's top-2 log-probabilities
+there, both outputs, and with ``--keep-logs`` the prompt's token ids), hung, errors by kind, faults by kind, kills
+and unexpected engine exits (a UCM instance that died without being killed is restarted and counted as
+``crashes``; a restart that fails to start is retried and listed in ``restart_failures``), TTFT p50/p99 of the UCM
+instances (ms, client side), and, every ``--sample-interval-s``: the hit rate of the interval
 (UCM's per-request log lines: external-hit blocks over full prompt blocks), each instance's RSS (MiB, all processes
 of its group) and open file descriptors, and ``/dev/shm`` use. ``rss_growth_last_half`` is each instance's RSS growth
 over the second half of the run (its incarnation since the last restart, when it was restarted then); ``verify`` is
@@ -286,10 +289,16 @@ async def client(fleet: Fleet, work: Workload, tally: Tally, stop_at: float, see
                 tally.ttft_ms.append(ttft * 1e3)
             outcome = compare(got, want, want_top, args.tie_logprob)
             setattr(tally, outcome, getattr(tally, outcome) + 1)
-            if outcome == "mismatched" and len(tally.mismatch_examples) < 5:
+            if outcome == "mismatched" and len(tally.mismatch_examples) < 20:
+                diff = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
                 tally.mismatch_examples.append(
-                    {"instance": inst.index, "prompt_tokens": len(prompt), "got": got, "want": want}
-                )
+                    {
+                        "instance": inst.index, "incarnation": incarnation, "t_s": round(time.monotonic(), 1),
+                        "prompt_tokens": len(prompt), "first_diff": diff, "got": got, "want": want,
+                        "want_top": want_top[diff] if diff is not None and diff < len(want_top) else None,
+                        "prompt": prompt if fleet.args.keep_logs else None,
+                    }
+                )  # fmt: skip
             if history is prompt:
                 history = prompt + got
 
@@ -313,13 +322,14 @@ class Faults:
         self.restart_failures: list[str] = []
         self.injected: set[str] = set()  # block paths this soak damaged (corrupt, truncate, fifo)
 
-    async def run(self, stop_at: float) -> None:
+    async def run(self, stop_at: float, kinds: list[str], interval_s: float) -> None:
+        """One fault of a random kind of ``kinds`` every ``interval_s`` until ``stop_at``."""
         while time.monotonic() < stop_at:
-            await asyncio.sleep(self.fleet.args.fault_interval_s)
-            kinds = [k for k in self.kinds if k not in self.unavailable]
-            if not kinds:
+            await asyncio.sleep(interval_s)
+            available = [k for k in kinds if k not in self.unavailable]
+            if not available:
                 return
-            kind = self.rng.choice(kinds)
+            kind = self.rng.choice(available)
             try:
                 if await getattr(self, f"_{kind}")():
                     self.done[kind] += 1
@@ -531,6 +541,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-timeout-ms", type=int, default=None, help="UCM's load_timeout_ms (None: its default)")
     p.add_argument("--faults", nargs="+", default=list(FAULTS), help=f"of {', '.join(FAULTS)}")
     p.add_argument("--fault-interval-s", type=float, default=5.0)
+    p.add_argument(
+        "--kill-interval-s", type=float, default=None,
+        help="SIGKILL an instance every this many seconds, apart from the other faults (None: kill is one of them)",
+    )  # fmt: skip
     p.add_argument("--sample-interval-s", type=float, default=10.0)
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="a request without answer by then hung")
     p.add_argument("--tie-logprob", type=float, default=0.05, help="see 'How outputs are compared'")
@@ -558,8 +572,12 @@ async def soak(args: argparse.Namespace, fleet: Fleet, work: Workload) -> tuple[
     tasks = [
         asyncio.create_task(client(fleet, work, tally, stop_at, args.seed + 10 + c)) for c in range(args.concurrency)
     ]
+    kinds = list(args.faults)
+    if args.kill_interval_s is not None and "kill" in kinds:  # kills on their own clock
+        kinds.remove("kill")
+        tasks.append(asyncio.create_task(faults.run(stop_at, ["kill"], args.kill_interval_s)))
     tasks += [
-        asyncio.create_task(faults.run(stop_at)),
+        asyncio.create_task(faults.run(stop_at, kinds, args.fault_interval_s)),
         asyncio.create_task(watch(fleet, timeline, stop_at, t0, crashes, faults.restart_failures)),
     ]
     await asyncio.gather(*tasks)

@@ -29,6 +29,7 @@ from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.worker import UCMWorker
 from ucm.kernels.layouts import KVLayout
+from ucm.store.observe import Observation, Recorder
 from ucm.store.posix import PosixStore
 from ucm.testing import fusefs
 
@@ -94,6 +95,9 @@ def test_load_past_the_deadline_fails_every_block_and_never_writes_late(hung, uc
     store, source, pid = hung
     caches = _caches(seed=None)
     worker = _worker(store, caches, layerwise)
+    seen: list[Observation] = []
+    worker.recorder = Recorder()
+    worker.recorder.add_sink(seen.append)
     first_buffer = worker._load_buffer
     meta = UCMConnectorMetadata(loads=[BlockTransfer("r1", KEYS, TARGET_IDS)])
     with fusefs.stopped(pid):
@@ -111,6 +115,10 @@ def test_load_past_the_deadline_fails_every_block_and_never_writes_late(hung, uc
         timeouts = [ln for ln in ucm_lines if "did not finish within load_timeout_ms" in ln]
         assert len(timeouts) == 1 and timeouts[0].startswith("WARNING load of 3 blocks"), ucm_lines
         assert f"({TIMEOUT_S * 1e3:.0f} ms)" in timeouts[0]
+        # vllm:ucm_load_failures_total{tier="all", cause="timeout"} counts them
+        assert [o for o in seen if o.op == "load_failure"] == [
+            Observation("load_failure", "all", len(KEYS), cause="timeout", requests=("r1",))
+        ]
     # The late reads land in the abandoned buffer, never in the paged KV.
     assert first_buffer is not None
     want = torch.empty(len(KEYS), SPEC.block_nbytes, dtype=torch.uint8)

@@ -294,6 +294,27 @@ def test_failed_loads_are_forgotten_and_dumped_again_once_recomputed(config, sto
     assert transfers(meta.dumps) == [("r", keys[1:4], BLOCK_IDS[1:4], False)]
 
 
+def test_dropped_dumps_are_planned_again(config, store):
+    """The workers dropped a step's dumps (computed in a step with a failed load): the scheduler plans them again at
+    the request's next step; a request without a dropped key keeps its plan; a dropped key of a finished request is
+    ignored."""
+    ids = tokens(4 * BLOCK_SIZE + 2)
+    keys = keys_of(ids)
+    sched = scheduler(config, store)
+    request = make_request("r", ids)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, kv_blocks(BLOCK_IDS[:5]), 0)
+    meta = sched.build_connector_meta(new_step(request, BLOCK_IDS[:5], 0, 3 * BLOCK_SIZE))
+    assert transfers(meta.dumps) == [("r", keys[:3], BLOCK_IDS[:3], False)]
+
+    sched.redo_dumps([keys[1], keys[2], b"\x00" * 16])  # from UCMWorkerMetadata.dropped_keys
+    meta = sched.build_connector_meta(cached_step("r", 3 * BLOCK_SIZE, BLOCK_SIZE + 2))
+    assert transfers(meta.dumps) == [("r", keys[1:4], BLOCK_IDS[1:4], False)]
+    sched.redo_dumps([])
+    meta = sched.build_connector_meta(cached_step("r", len(ids), 1))
+    assert meta.dumps == []
+
+
 def test_keys_the_workers_stored_count_until_they_fail(config, store):
     """The workers' DRAM tier is in another process: the keys they report stored count as hits with an empty store
     directory, until a load of one of them fails."""

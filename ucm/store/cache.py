@@ -155,7 +155,7 @@ class CacheStore(UcmKVStoreBase):
         self._generation = 0
         self._evicted_blocks = 0  # blocks evicted to make room, since start
         self._evicted_bytes = 0
-        self._pending: set[Future[TaskResult]] = set()
+        self._pending: dict[Future[TaskResult], int] = {}  # write-backs in flight: their number of blocks
         self._closed = False
         # One writer thread: write-backs reach the stage below in dump order. Loads from below wait on their
         # own thread so that they never queue behind write-backs.
@@ -305,7 +305,7 @@ class CacheStore(UcmKVStoreBase):
                 self._unpin_write_back(write_back)
             raise RuntimeError("CacheStore is closed") from None
         with self._lock:
-            self._pending.add(future)
+            self._pending[future] = len(write_back)
         future.add_done_callback(self._forget_pending)
         return Task(future)
 
@@ -467,13 +467,15 @@ class CacheStore(UcmKVStoreBase):
 
     def gauges(self) -> dict[str, float]:
         """``dram:used_bytes`` (cached blocks), ``dram:capacity_bytes``, ``dram:evicted_blocks_total`` and
-        ``dram:evicted_bytes_total`` (evicted to make room since start), and the stage below's."""
+        ``dram:evicted_bytes_total`` (evicted to make room since start), ``dram:write_back_pending_blocks`` (dumped
+        blocks not yet written to the stage below), and the stage below's."""
         with self._lock:
             own = {
                 "dram:used_bytes": float(self._used),
                 "dram:capacity_bytes": float(self._capacity),
                 "dram:evicted_blocks_total": float(self._evicted_blocks),
                 "dram:evicted_bytes_total": float(self._evicted_bytes),
+                "dram:write_back_pending_blocks": float(sum(self._pending.values())),
             }
         return {**(self._inner.gauges() if self._inner is not None else {}), **own}
 
@@ -559,7 +561,7 @@ class CacheStore(UcmKVStoreBase):
 
     def _forget_pending(self, future: Future[TaskResult]) -> None:
         with self._lock:
-            self._pending.discard(future)
+            self._pending.pop(future, None)
 
     def _schedule_write_back(self, i: int, entry: _Entry, write_back: list[tuple[int, _Entry | None]]) -> None:
         """Add row ``i`` to ``write_back`` (pinning ``entry``) unless its block is stored below or being written.

@@ -37,8 +37,9 @@ logger = init_logger(__name__)
 Tier = Literal["dram", "compress", "storage", "all"]
 Op = Literal["lookup", "load", "dump", "load_failure"]
 # Why a block failed to load (``load_failure`` observations): no file; a file failing verification; an I/O error;
-# a file this version does not read (another format version, codec or block size), kept in place.
-FAILURE_CAUSES = ("missing", "damaged", "io_error", "foreign")
+# a file this version does not read (another format version, codec or block size), kept in place; a load abandoned
+# past ``load_timeout_ms`` (tier ``all``: recorded by the worker, whichever stage was slow).
+FAILURE_CAUSES = ("missing", "damaged", "io_error", "foreign", "timeout")
 TIERS = ("dram", "compress", "storage")
 
 

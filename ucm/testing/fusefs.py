@@ -1,12 +1,14 @@
 """A passthrough FUSE filesystem over a directory, run as its own process: the tests' real slow or hung mount.
 
-``python -m ucm.testing.fusefs SOURCE MOUNTPOINT [--read-delay-ms MS] [--attr-timeout-s S]`` mounts ``SOURCE`` at
+``python -m ucm.testing.fusefs SOURCE MOUNTPOINT [--read-delay-ms MS] [--write-delay-ms MS] [--attr-timeout-s S]``
+mounts ``SOURCE`` at
 ``MOUNTPOINT`` and serves every operation UCM's Posix stage uses (lookup, stat, open, create, read, write, rename,
 unlink, mkdir, readdir, utimens, statfs...) from the files under ``SOURCE``, in the foreground, until it is
 unmounted (``fusermount3 -u MOUNTPOINT``) or sent SIGTERM.
 
 - ``--read-delay-ms``: every read request sleeps that long before it is answered (a slow disk or server). The
   filesystem is mounted with ``direct_io``, so every read of a file reaches this process (no page cache).
+- ``--write-delay-ms``: the same for every write request (a slow disk or server on the dump path).
 - A stopped daemon (``kill -STOP``) is a hung mount, as a dead NFS server is: every access that reaches it (open,
   read, write, a lookup of a name the kernel has not cached) blocks until ``kill -CONT``.
 - ``--attr-timeout-s``: how long the kernel keeps names and attributes it was told (as an NFS client's attribute
@@ -37,7 +39,7 @@ from typing import Any
 _STAT_FIELDS = ("st_mode", "st_nlink", "st_size", "st_uid", "st_gid", "st_atime", "st_mtime", "st_ctime")
 
 
-def _operations(source: str, read_delay_s: float, attr_timeout_s: float) -> Any:
+def _operations(source: str, read_delay_s: float, attr_timeout_s: float, write_delay_s: float = 0.0) -> Any:
     """The ``mfusepy.Operations`` of a passthrough filesystem over ``source`` (imported here: only the daemon needs
     the library)."""
     import mfusepy
@@ -115,6 +117,8 @@ def _operations(source: str, read_delay_s: float, attr_timeout_s: float) -> Any:
             return os.pread(fh, size, offset)
 
         def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+            if write_delay_s > 0:
+                time.sleep(write_delay_s)
             return os.pwrite(fh, data, offset)
 
         def flush(self, path: str, fh: int) -> int:
@@ -136,21 +140,27 @@ def _operations(source: str, read_delay_s: float, attr_timeout_s: float) -> Any:
     return Passthrough()
 
 
-def serve(source: str, mountpoint: str, read_delay_s: float = 0.0, attr_timeout_s: float = 1.0) -> None:
+def serve(
+    source: str, mountpoint: str, read_delay_s: float = 0.0, attr_timeout_s: float = 1.0, write_delay_s: float = 0.0
+) -> None:
     """Mount ``source`` at ``mountpoint`` and serve it in the foreground until unmounted (see the module doc).
 
     Raises:
-        ValueError: ``source`` or ``mountpoint`` is not a directory, or ``read_delay_s`` / ``attr_timeout_s`` < 0.
+        ValueError: ``source`` or ``mountpoint`` is not a directory, or ``read_delay_s`` / ``write_delay_s`` /
+            ``attr_timeout_s`` < 0.
     """
     for name, path in (("source", source), ("mountpoint", mountpoint)):
         if not os.path.isdir(path):
             raise ValueError(f"{name} {path!r} is not a directory")
-    if read_delay_s < 0 or attr_timeout_s < 0:
-        raise ValueError(f"read_delay_s and attr_timeout_s must be >= 0, got {read_delay_s} and {attr_timeout_s}")
+    if read_delay_s < 0 or write_delay_s < 0 or attr_timeout_s < 0:
+        raise ValueError(
+            f"read_delay_s, write_delay_s and attr_timeout_s must be >= 0, got {read_delay_s}, {write_delay_s} and "
+            f"{attr_timeout_s}"
+        )
     import mfusepy
 
     mfusepy.FUSE(
-        _operations(os.path.abspath(source), read_delay_s, attr_timeout_s),
+        _operations(os.path.abspath(source), read_delay_s, attr_timeout_s, write_delay_s),
         mountpoint,
         foreground=True,
         fsname="ucm-testing-fusefs",
@@ -173,7 +183,12 @@ def unavailable_reason() -> str | None:
 
 @contextlib.contextmanager
 def mount(
-    source: Path, mountpoint: Path, read_delay_ms: float = 0.0, attr_timeout_s: float = 1.0, start_timeout_s: float = 30
+    source: Path,
+    mountpoint: Path,
+    read_delay_ms: float = 0.0,
+    attr_timeout_s: float = 1.0,
+    start_timeout_s: float = 30,
+    write_delay_ms: float = 0.0,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run the daemon (``python -m ucm.testing.fusefs``) mounting ``source`` at ``mountpoint``; yield its process
     (``proc.pid``: the pid to stop with SIGSTOP). On exit, whatever happened: SIGCONT the daemon, unmount, end it.
@@ -183,7 +198,8 @@ def mount(
     """
     mountpoint.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ucm.testing.fusefs", str(source), str(mountpoint)]
-    cmd += ["--read-delay-ms", str(read_delay_ms), "--attr-timeout-s", str(attr_timeout_s)]
+    cmd += ["--read-delay-ms", str(read_delay_ms), "--write-delay-ms", str(write_delay_ms)]
+    cmd += ["--attr-timeout-s", str(attr_timeout_s)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + start_timeout_s
@@ -230,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", help="directory whose files the mount serves")
     parser.add_argument("mountpoint", help="empty directory to mount at")
     parser.add_argument("--read-delay-ms", type=float, default=0.0, help="sleep before answering each read (ms)")
+    parser.add_argument("--write-delay-ms", type=float, default=0.0, help="sleep before answering each write (ms)")
     parser.add_argument("--attr-timeout-s", type=float, default=1.0, help="kernel cache of names and attributes (s)")
     args = parser.parse_args(argv)
     try:
-        serve(args.source, args.mountpoint, args.read_delay_ms / 1e3, args.attr_timeout_s)
+        serve(args.source, args.mountpoint, args.read_delay_ms / 1e3, args.attr_timeout_s, args.write_delay_ms / 1e3)
     except ValueError as exc:
         parser.error(str(exc))
     return 0

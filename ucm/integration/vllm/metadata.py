@@ -51,20 +51,24 @@ class UCMWorkerMetadata(KVConnectorWorkerMetadata):
     found once written back to storage. Keys are rank-independent (as in :class:`BlockTransfer`). ``reset_epoch``:
     the worker's reset epoch when it stored them (the scheduler ignores keys stored before its last reset).
     ``tier_events``: with vLLM's KV events on, ``(stored, tier, keys)`` for each change of what a tier holds, oldest
-    first, keys as this rank stores them (:mod:`ucm.integration.vllm.events`).
+    first, keys as this rank stores them (:mod:`ucm.integration.vllm.events`). ``dropped_keys``: keys whose dump
+    the workers dropped because it was computed in a step with a failed load (see :mod:`ucm.integration.vllm.worker`):
+    the scheduler plans them again.
     """
 
     stored_keys: list[bytes] = field(default_factory=list)
     failed_keys: list[bytes] = field(default_factory=list)
     reset_epoch: int = 0
     tier_events: list[tuple[bool, str, list[bytes]]] = field(default_factory=list)
+    dropped_keys: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Keep the keys every rank stored (a block is usable only when all its shards are), the keys any rank
-        failed to load, the oldest reset epoch, and every rank's tier events."""
+        failed to load or dropped the dump of, the oldest reset epoch, and every rank's tier events."""
         assert isinstance(other, UCMWorkerMetadata)
         theirs = set(other.stored_keys)
         failed = list(dict.fromkeys([*self.failed_keys, *other.failed_keys]))
+        dropped = list(dict.fromkeys([*self.dropped_keys, *other.dropped_keys]))
         epoch = min(self.reset_epoch, other.reset_epoch)
         stored = [k for k in self.stored_keys if k in theirs]
-        return UCMWorkerMetadata(stored, failed, epoch, [*self.tier_events, *other.tier_events])
+        return UCMWorkerMetadata(stored, failed, epoch, [*self.tier_events, *other.tier_events], dropped)

@@ -79,7 +79,7 @@ METRICS: tuple[MetricDef, ...] = (
         "counter",
         ("tier", "cause"),
         "blocks",
-        "Blocks that failed to load, by cause: missing, damaged, io_error, foreign (recomputed by vLLM).",
+        "Blocks that failed to load, by cause: missing, damaged, io_error, foreign, timeout (recomputed by vLLM).",
     ),
     MetricDef("load_seconds", "histogram", ("tier",), "seconds", "Time of one load call at the tier."),
     MetricDef(
@@ -117,6 +117,13 @@ METRICS: tuple[MetricDef, ...] = (
         "dram: blocks evicted (LRU) to make room; storage: block files deleted by garbage collection.",
     ),
     MetricDef("evicted_bytes", "counter", ("tier",), "bytes", "Bytes of those blocks."),
+    MetricDef(
+        "write_back_pending_blocks",
+        "gauge",
+        ("tier",),
+        "blocks",
+        "dram: blocks dumped into the DRAM tier and not yet written to the stage below (a kill loses them).",
+    ),
     MetricDef("compress_raw_bytes", "counter", (), "bytes", "KVfold: uncompressed bytes of the blocks dumped."),
     MetricDef("compress_stored_bytes", "counter", (), "bytes", "KVfold: their compressed bytes."),
     MetricDef("compress_ratio", "gauge", (), "ratio", "KVfold: raw / stored bytes of the blocks dumped since start."),

@@ -139,12 +139,25 @@ class UCMScheduler:
         failed = set(keys)
         for key in rank_keys(keys, 0, self._tp_size):
             self._recent.pop(key, None)
-        for state in self._requests.values():
-            first = next((i for i, k in enumerate(state.keys) if k in failed), None)
-            if first is not None:
-                state.num_stored = min(state.num_stored, first)
-                state.next_dump = min(state.next_dump, first)
+        self._rewind_dumps(failed, unstored=True)
         logger.debug("%d blocks failed to load; they will be dumped again once recomputed", len(failed))
+
+    def redo_dumps(self, keys: Sequence[bytes]) -> None:
+        """Keys whose dump the workers dropped (from ``UCMWorkerMetadata``: computed in a step with a failed load,
+        see :mod:`ucm.integration.vllm.worker`): dump them again at a later step of their requests, from vLLM's
+        recomputed KV. Requests already finished lose those dumps (a later request recomputes and stores them)."""
+        if keys:
+            self._rewind_dumps(set(keys), unstored=False)
+
+    def _rewind_dumps(self, keys: set[bytes], unstored: bool) -> None:
+        """Move each live request's next dump back to its first block among ``keys`` (and, with ``unstored``, stop
+        counting that block and the later ones as stored)."""
+        for state in self._requests.values():
+            first = next((i for i, k in enumerate(state.keys) if k in keys), None)
+            if first is not None:
+                if unstored:
+                    state.num_stored = min(state.num_stored, first)
+                state.next_dump = min(state.next_dump, first)
 
     def reset(self) -> bool:
         """Reset UCM's caches (vLLM's ``reset_prefix_cache`` with ``reset_external``; see the module docstring).

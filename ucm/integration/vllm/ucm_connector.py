@@ -17,6 +17,7 @@ A block that fails to load is reported to vLLM, which recomputes it: UCM sets vL
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,7 @@ from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadat
 from ucm.integration.vllm.metrics import Observability, UCMConnectorStats, UCMPromMetrics
 from ucm.integration.vllm.scheduler import UCMScheduler
 from ucm.integration.vllm.version import check_vllm_metadata
-from ucm.integration.vllm.worker import UCMWorker, load_buffer_blocks
+from ucm.integration.vllm.worker import UCMWorker, any_rank_of, load_buffer_blocks
 from ucm.logger import check_level_env, init_logger
 from ucm.store.pipeline import release_shared_store, shared_store
 
@@ -155,10 +156,12 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                     self._spec.block_size, max(MIN_KNOWN_BLOCKS, 2 * dram_blocks)
                 )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+            # A load failing on one rank must drop the step's dumps on every rank (see ucm.integration.vllm.worker).
+            any_rank = any_rank_of(get_tp_group().cpu_group) if tp_size > 1 else None
             # The request namespace (rank 0's, as the scheduler keys it) tags the block files for operators' tools.
             ns = namespace(vllm_config, self._spec, tp_rank=0)
             self._store.set_namespace(ns.digest(), dataclasses.asdict(ns))
@@ -173,7 +176,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 layerwise=self._ucm_config.use_layerwise,
                 load_buffer_blocks=buffer_blocks,
                 load_timeout_s=self._ucm_config.load_timeout_s,
+                any_rank=any_rank,
             )
+            self._worker.recorder = self._obs.recorder
             if events:
                 self._worker.residency = ResidencyBuffer()
                 self._obs.recorder.add_key_sink(self._worker.residency.add)
@@ -227,9 +232,34 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._closed = True
         if self._worker is not None:
-            self._worker.shutdown()
+            self._finish_dumps()
         release_shared_store(self._ucm_config.store, self._require_writable)
         self._obs.close()
+
+    def _finish_dumps(self) -> None:
+        """Worker side, at shutdown (vLLM's engine exit, e.g. the end of an offline ``LLM`` script): wait until every
+        dump is stored through every stage, and say so; first say how many blocks were still in flight, when any.
+        Block files appear whole or not at all (temp file and rename), so a process killed in between (vLLM kills an
+        engine that takes longer than its shutdown timeout to exit) leaves those blocks invisible, and the second
+        line missing."""
+        assert self._worker is not None
+        t0 = time.perf_counter()
+        in_flight = self._worker.pending_dump_blocks()
+        if in_flight:
+            logger.info(
+                "shutdown: storing %d dumped blocks still in flight (if this process is killed before the line "
+                "'shutdown: every dumped block is stored', those not yet written are not visible in storage; none "
+                "is partial)",
+                in_flight,
+            )
+        self._worker.shutdown()
+        self._store.flush()
+        logger.info(
+            "shutdown: every dumped block is stored (%d were still in flight, %.2f s; a block that failed to store "
+            "was reported above)",
+            in_flight,
+            time.perf_counter() - t0,
+        )
 
     # ------------------------------------------------------------- metrics (both sides)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -274,6 +304,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None and isinstance(meta, UCMWorkerMetadata):
             self._scheduler.add_stored_keys(meta.stored_keys, meta.reset_epoch)
             self._scheduler.forget_failed_keys(meta.failed_keys)
+            self._scheduler.redo_dumps(meta.dropped_keys)
             if self._scheduler.events is not None and meta.tier_events:
                 self._scheduler.events.add_tier_events(meta.tier_events)
 

@@ -13,7 +13,7 @@ Layerwise (``use_layerwise: true``), per step:
   all their layers are in (the end of the step at the latest, in ``wait_for_save``): a block that then fails
   (damaged, vanished) was already scattered, so it is reported through ``get_block_ids_with_load_errors`` like
   any failed load, and vLLM discards the step's output for the requests using it and recomputes them (vLLM's
-  ``kv_load_failure_policy: recompute``, which UCM sets). Wrong KV never reaches an output.
+  ``kv_load_failure_policy: recompute``, which UCM sets). Wrong KV never reaches an output, nor the store (see below).
 - ``save_kv_layer(layer i)``, called right after layer i's attention, gathers layer i of the step's newly full
   blocks into the dump's staging buffer; ``wait_for_save`` gathers any layer not seen and hands the buffer to the
   store, as blockwise does. The stored bytes are the same in both modes, so either reads what the other wrote.
@@ -26,6 +26,13 @@ still write into, is never read again (the next load gets a fresh one). The scat
 only from a buffer the store has finished with, so late I/O never reaches KV that vLLM has reused. A durable dump
 past it keeps its staging buffer (reaped on later steps) and the step goes on.
 
+Dumps after a failed load: in a step where a load failed (on any tensor-parallel rank), vLLM computes the rest of the
+affected prompts over the failed blocks' stale slots before it throws that step's output away and recomputes them;
+a block that became full then holds wrong KV (with a valid checksum, once stored). So the dumps of that step, and of
+the next one (which async scheduling plans before vLLM knows of the failure), are dropped, and their keys are sent
+to the scheduler (``UCMWorkerMetadata.dropped_keys``), which dumps those blocks again at a later step, once they hold
+the recomputed KV (:meth:`UCMScheduler.redo_dumps <ucm.integration.vllm.scheduler.UCMScheduler.redo_dumps>`).
+
 Cache reset: a step whose metadata carries a newer ``reset_epoch`` than the worker's starts with :meth:`UCMWorker.reset`
 (called from the connector's ``bind_connector_metadata``, before the step's loads).
 """
@@ -33,6 +40,7 @@ Cache reset: a step whose metadata carries a newer ``reset_epoch`` than the work
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,14 +54,25 @@ from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_
 from ucm.logger import init_logger
 from ucm.sparse import invalidate_blocks
 from ucm.store.base import Task, UcmKVStoreBase
-from ucm.store.observe import requests_of
+from ucm.store.observe import NO_RECORDER, Observation, Recorder, requests_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ucm.integration.vllm.events import ResidencyBuffer
 
 logger = init_logger(__name__)
+
+
+def any_rank_of(group: object) -> Callable[[bool], bool]:
+    """:class:`UCMWorker`'s ``any_rank`` over a ``torch.distributed`` process group (vLLM's tensor-parallel CPU
+    group, ``get_tp_group().cpu_group``): a max all-reduce of one int32 flag. Every rank of the group must call it."""
+    import torch.distributed as dist
+
+    def any_rank(flag: bool) -> bool:
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return bool(value.item())
+
+    return any_rank
 
 
 @dataclass
@@ -70,6 +89,7 @@ class _LayerLoad:
     waited_s: float = 0.0  # time spent waiting for shards (seconds)
     scatter_s: float = 0.0  # time spent scattering (seconds)
     timed_out: bool = False  # abandoned past load_timeout_ms: every block failed, nothing more scattered
+    requests: tuple[str, ...] = ()  # vLLM request ids of the load
 
 
 @dataclass
@@ -111,6 +131,10 @@ class UCMWorker:
             one-off costs").
         load_timeout_s: most seconds a step waits for a load or a durable dump (``load_timeout_ms``; see the
             module docstring).
+        any_rank: with tensor parallelism, ``any_rank(flag)`` is True on every rank when ``flag`` is True on at
+            least one (a collective over the tensor-parallel group: every rank calls it in the same steps); it
+            makes a load failure on one rank drop the step's dumps on all (see the module docstring). None: this
+            rank alone.
 
     Raises:
         ValueError: ``load_buffer_blocks`` < 1, or ``load_timeout_s`` not > 0.
@@ -126,6 +150,7 @@ class UCMWorker:
         layerwise: bool = False,
         load_buffer_blocks: int = 16,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+        any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
         if load_buffer_blocks < 1:
             raise ValueError(f"load_buffer_blocks must be >= 1, got {load_buffer_blocks}")
@@ -149,10 +174,16 @@ class UCMWorker:
         self._reset_epoch = 0
         self._stored_keys: list[bytes] = []
         self._failed_keys: list[bytes] = []
+        self._any_rank = any_rank
+        self._load_failed = False  # a load of this step failed (on this rank)
+        self._drop_dump_steps = 0  # steps, this one included, whose dumps are dropped (see the module docstring)
+        self._dropped_keys: list[bytes] = []
         self._load_buffer: torch.Tensor | None = None
         self._load_buffer_blocks = load_buffer_blocks
         # With vLLM's KV events on: the tiers' changes, sent to the scheduler with the step's metadata.
         self.residency: ResidencyBuffer | None = None
+        # Where loads abandoned past the deadline are recorded (load_failure, cause timeout); set by the connector.
+        self.recorder: Recorder = NO_RECORDER
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer paged KV tensors, ordered as the KV spec's layers, detect their layout, warm the
@@ -216,11 +247,15 @@ class UCMWorker:
         new one. The store's task keeps the old one alive until it is done."""
         self._load_buffer = None
 
-    def _timed_out(self, keys: list[bytes], block_ids: list[int], layerwise: bool) -> None:
-        """Record a load abandoned past ``load_timeout_ms``: every block failed (vLLM recomputes them), one warning."""
+    def _timed_out(self, keys: list[bytes], block_ids: list[int], layerwise: bool, requests: tuple[str, ...]) -> None:
+        """Record a load abandoned past ``load_timeout_ms``: every block failed (vLLM recomputes them; a
+        ``load_failure`` observation of tier ``all``, cause ``timeout``), one warning."""
         self._abandon_load_buffer()
         self._load_errors |= set(block_ids)
         self._failed_keys.extend(keys)
+        self._load_failed = True
+        if self.recorder.enabled:
+            self.recorder.record(Observation("load_failure", "all", len(keys), cause="timeout", requests=requests))
         logger.warning(
             "load of %d blocks did not finish within load_timeout_ms (%.0f ms)%s; vLLM recomputes them (the store "
             "is stalled or slow: raise load_timeout_ms if it is only slow)",
@@ -260,7 +295,7 @@ class UCMWorker:
         try:
             result = task.result(self._load_timeout_s)
         except TimeoutError:  # abandoned: its buffer is never read again (see the module docstring)
-            self._timed_out(keys, block_ids, layerwise=False)
+            self._timed_out(keys, block_ids, layerwise=False, requests=tuple(t.req_id for t in meta.loads))
             return
         t1 = time.perf_counter()
         ok = [i for i in range(len(keys)) if i not in result.failed]
@@ -268,6 +303,7 @@ class UCMWorker:
             failed_ids = {block_ids[i] for i in result.failed}
             self._load_errors |= failed_ids
             self._failed_keys.extend(keys[i] for i in sorted(result.failed))
+            self._load_failed = True
             logger.warning("%d of %d blocks failed to load; vLLM recomputes them", len(failed_ids), len(keys))
         if not ok:
             return
@@ -297,6 +333,16 @@ class UCMWorker:
         self._reap_dumps(block=False)
         self._finish_layer_load()
         layer_dump, self._layer_dump = self._layer_dump, None
+        if self._drop_this_step(meta):
+            if meta.dumps and self._layout is not None:
+                keys, _ = self._flatten(meta.dumps)
+                self._dropped_keys.extend(keys)
+                logger.warning(
+                    "dropped the dump of %d blocks computed in a step with a failed load or just after one (they "
+                    "may hold KV computed over the failed blocks); they are dumped again once recomputed",
+                    len(keys),
+                )
+            return
         if not meta.dumps or self._layout is None:
             return
         if layer_dump is not None:  # layerwise: gather the layers save_kv_layer did not see
@@ -328,6 +374,18 @@ class UCMWorker:
             n = len(t.keys)
             self._stored_keys.extend(t.keys[: self._store.lookup(ranked[start : start + n])])
             start += n
+
+    def _drop_this_step(self, meta: UCMConnectorMetadata) -> bool:
+        """Whether this step's dumps are dropped: a load of this step failed on some rank, or one of the step
+        before did (see the module docstring). Called once per step, at its end."""
+        failed, self._load_failed = self._load_failed, False
+        if meta.loads and self._any_rank is not None:  # every rank has the same loads planned: all call it
+            failed = self._any_rank(failed)
+        if failed:
+            self._drop_dump_steps = 2
+        drop = self._drop_dump_steps > 0
+        self._drop_dump_steps = max(0, self._drop_dump_steps - 1)
+        return drop
 
     def _wait_durable(self, task: Task, rows: torch.Tensor, keys: list[bytes]) -> bool:
         """Wait for a durable dump's task and then for the store's earlier write-backs (which may be writing blocks
@@ -370,7 +428,9 @@ class UCMWorker:
             task = self._store.load_sharded(rank_keys(keys, self._tp_rank, self._tp_size), rows, len(self._kv_caches))
         device = self._kv_caches[0].device
         ids = torch.tensor(block_ids, dtype=torch.int64).to(device)
-        self._layer_load = _LayerLoad(task, keys, block_ids, ids, staging, t0)
+        self._layer_load = _LayerLoad(
+            task, keys, block_ids, ids, staging, t0, requests=tuple(t.req_id for t in meta.loads)
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layerwise: scatter layer ``layer_name`` (and any earlier layer not yet scattered) of the step's load,
@@ -393,7 +453,7 @@ class UCMWorker:
             left = load.started + self._load_timeout_s - t0
             if not load.task.wait_shard(first, max(0.0, left)):
                 load.timed_out = True
-                self._timed_out(load.keys, load.block_ids, layerwise=True)
+                self._timed_out(load.keys, load.block_ids, layerwise=True, requests=load.requests)
                 return
             t1 = time.perf_counter()
             # Every later layer that has arrived too goes in the same launch (fewer, larger scatters).
@@ -420,13 +480,14 @@ class UCMWorker:
             result = load.task.result(max(0.0, load.started + self._load_timeout_s - t_wait))
         except TimeoutError:  # validation still pending: every block failed, the buffer is left to the late reads
             if not load.timed_out:
-                self._timed_out(load.keys, load.block_ids, layerwise=True)
+                self._timed_out(load.keys, load.block_ids, layerwise=True, requests=load.requests)
             invalidate_blocks(load.ids.cpu())
             return
         if result.failed:
             failed_ids = {load.block_ids[i] for i in result.failed}
             self._load_errors |= failed_ids
             self._failed_keys.extend(load.keys[i] for i in sorted(result.failed))
+            self._load_failed = True
             logger.warning(
                 "%d of %d blocks failed to load (layerwise: found after their layers were used); vLLM discards the "
                 "step's output for their requests and recomputes them",
@@ -509,13 +570,15 @@ class UCMWorker:
         logger.info("cache reset: dropped %d blocks from the DRAM tier%s", dropped, removed)
 
     def take_worker_meta(self) -> UCMWorkerMetadata | None:
-        """Keys stored and keys that failed to load since the last call, and the tiers' changes (with KV events
-        on), for the scheduler (``None``: none)."""
+        """Keys stored, keys that failed to load and keys whose dump was dropped since the last call, and the tiers'
+        changes (with KV events on), for the scheduler (``None``: none)."""
         tier_events = self.residency.take() if self.residency is not None else []
-        if not self._stored_keys and not self._failed_keys and not tier_events:
+        if not self._stored_keys and not self._failed_keys and not self._dropped_keys and not tier_events:
             return None
-        meta = UCMWorkerMetadata(self._stored_keys, self._failed_keys, self._reset_epoch, tier_events)
-        self._stored_keys, self._failed_keys = [], []
+        meta = UCMWorkerMetadata(
+            self._stored_keys, self._failed_keys, self._reset_epoch, tier_events, self._dropped_keys
+        )
+        self._stored_keys, self._failed_keys, self._dropped_keys = [], [], []
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -523,6 +586,11 @@ class UCMWorker:
         self._finish_layer_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def pending_dump_blocks(self) -> int:
+        """Blocks of this worker's dumps whose store task has not finished: not yet stored through every stage (a
+        ``Cache`` stage's dump task ends when its write-back to the stage below does)."""
+        return sum(len(keys) for task, _, keys in self._pending_dumps if not task.done())
 
     def shutdown(self) -> None:
         """Wait for in-flight loads (at most ``load_timeout_s``) and dumps."""
