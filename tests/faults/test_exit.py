@@ -5,8 +5,8 @@ SIGKILLs when it has not exited 5 s later) over a store on a FUSE mount whose ev
 (``ucm.testing.fusefs --write-delay-ms``; a block file takes two write requests, its two files are written in
 parallel), one prompt of two blocks, so that the DRAM tier's write-back is still running when the script ends:
 - slow writes (~4.4 s per block file, less than vLLM's 5 s even if the script ended at once): UCM waits and says
-  the blocks are stored, after saying how many were in flight (when the script's end left some: it comes ~3 s
-  after the dump on these machines); both blocks are in storage and verify;
+  the blocks are stored, after saying how many were in flight (when the script's end came before the write-back
+  did); both blocks are in storage and verify;
 - very slow writes (~10 s per block file): vLLM kills the engine while it writes; UCM's first line is there and its
   second is not; no block file is visible (none partial).
 """
