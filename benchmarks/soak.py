@@ -230,11 +230,17 @@ async def complete(session: Any, url: str, model: str, prompt: list[int], max_to
     return tokens, top, ttft
 
 
+def first_difference(got: list[int], want: list[int]) -> int:
+    """Index of the first token where ``got`` and ``want`` differ (the shorter one's length when one is a prefix of
+    the other)."""
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+
+
 def compare(got: list[int], want: list[int], want_top: list[dict[str, float]], tie: float) -> str:
     """``matched``, ``near_tie`` or ``mismatched`` (see the module docstring)."""
     if got == want:
         return "matched"
-    p = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    p = first_difference(got, want)
     if p < len(want_top):
         best = sorted(want_top[p].values(), reverse=True)
         if len(best) >= 2 and best[0] - best[1] <= tie:
@@ -290,12 +296,12 @@ async def client(fleet: Fleet, work: Workload, tally: Tally, stop_at: float, see
             outcome = compare(got, want, want_top, args.tie_logprob)
             setattr(tally, outcome, getattr(tally, outcome) + 1)
             if outcome == "mismatched" and len(tally.mismatch_examples) < 20:
-                diff = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+                diff = first_difference(got, want)
                 tally.mismatch_examples.append(
                     {
                         "instance": inst.index, "incarnation": incarnation, "t_s": round(time.monotonic(), 1),
                         "prompt_tokens": len(prompt), "first_diff": diff, "got": got, "want": want,
-                        "want_top": want_top[diff] if diff is not None and diff < len(want_top) else None,
+                        "want_top": want_top[diff] if diff < len(want_top) else None,
                         "prompt": prompt if fleet.args.keep_logs else None,
                     }
                 )  # fmt: skip
@@ -311,9 +317,8 @@ def block_files(store: Path) -> list[Path]:
 class Faults:
     """Injects one fault at a time; counts what it did, and why a fault could not be done."""
 
-    def __init__(self, fleet: Fleet, kinds: list[str], seed: int) -> None:
+    def __init__(self, fleet: Fleet, seed: int) -> None:
         self.fleet = fleet
-        self.kinds = kinds
         self.rng = random.Random(seed)
         self.done: Counter[str] = Counter()
         self.unavailable: dict[str, str] = {}
@@ -564,7 +569,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def soak(args: argparse.Namespace, fleet: Fleet, work: Workload) -> tuple[dict[str, Any], set[str]]:
     """Run the load, the faults and the sampling; the result and the block paths the faults damaged."""
     tally = Tally()
-    faults = Faults(fleet, args.faults, args.seed + 1)
+    faults = Faults(fleet, args.seed + 1)
     timeline: list[dict[str, Any]] = []
     crashes: list[str] = []
     t0 = time.monotonic()

@@ -40,7 +40,7 @@ Cache reset: a step whose metadata carries a newer ``reset_epoch`` than the work
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -251,9 +251,7 @@ class UCMWorker:
         """Record a load abandoned past ``load_timeout_ms``: every block failed (vLLM recomputes them; a
         ``load_failure`` observation of tier ``all``, cause ``timeout``), one warning."""
         self._abandon_load_buffer()
-        self._load_errors |= set(block_ids)
-        self._failed_keys.extend(keys)
-        self._load_failed = True
+        self._record_failed(keys, block_ids, range(len(keys)))
         if self.recorder.enabled:
             self.recorder.record(Observation("load_failure", "all", len(keys), cause="timeout", requests=requests))
         logger.warning(
@@ -263,6 +261,15 @@ class UCMWorker:
             self._load_timeout_s * 1e3,
             " (layerwise: its layers already used are dropped with it)" if layerwise else "",
         )
+
+    def _record_failed(self, keys: list[bytes], block_ids: list[int], failed: Iterable[int]) -> None:
+        """Record the failed rows ``failed`` of a load of ``keys`` into ``block_ids``: reported to vLLM
+        (:meth:`get_block_ids_with_load_errors`) and to the scheduler (failed keys), and this step's dumps dropped
+        (:meth:`_drop_this_step`)."""
+        rows = sorted(failed)
+        self._load_errors |= {block_ids[i] for i in rows}
+        self._failed_keys.extend(keys[i] for i in rows)
+        self._load_failed = True
 
     @staticmethod
     def _flatten(transfers: list[BlockTransfer]) -> tuple[list[bytes], list[int]]:
@@ -300,11 +307,8 @@ class UCMWorker:
         t1 = time.perf_counter()
         ok = [i for i in range(len(keys)) if i not in result.failed]
         if result.failed:
-            failed_ids = {block_ids[i] for i in result.failed}
-            self._load_errors |= failed_ids
-            self._failed_keys.extend(keys[i] for i in sorted(result.failed))
-            self._load_failed = True
-            logger.warning("%d of %d blocks failed to load; vLLM recomputes them", len(failed_ids), len(keys))
+            self._record_failed(keys, block_ids, result.failed)
+            logger.warning("%d of %d blocks failed to load; vLLM recomputes them", len(result.failed), len(keys))
         if not ok:
             return
         device = self._kv_caches[0].device
@@ -484,14 +488,11 @@ class UCMWorker:
             invalidate_blocks(load.ids.cpu())
             return
         if result.failed:
-            failed_ids = {load.block_ids[i] for i in result.failed}
-            self._load_errors |= failed_ids
-            self._failed_keys.extend(load.keys[i] for i in sorted(result.failed))
-            self._load_failed = True
+            self._record_failed(load.keys, load.block_ids, result.failed)
             logger.warning(
                 "%d of %d blocks failed to load (layerwise: found after their layers were used); vLLM discards the "
                 "step's output for their requests and recomputes them",
-                len(failed_ids),
+                len(result.failed),
                 len(load.keys),
             )
         invalidate_blocks(load.ids.cpu())
