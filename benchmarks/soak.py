@@ -17,8 +17,9 @@ What runs (all real processes on 127.0.0.1):
   (``corrupt``), cut short (``truncate``), deleted (``delete``), replaced by a FIFO (``fifo``: a read that would
   block forever, which UCM's load deadline must turn into a miss); the store directory remounted read-only for a
   few seconds (``readonly``, a read-only bind mount: needs root, reported unavailable otherwise); one UCM instance
-  SIGKILLed and restarted (``kill``; on its own clock with ``--kill-interval-s``, so that a long run can keep an
-  instance up long enough to measure its memory); ``python -m ucm.store gc`` (``gc``) and ``verify --remove``
+  SIGKILLed and restarted (``kill``; on its own clock with ``--kill-interval-s``, and only in the first
+  ``--kill-until-s`` seconds if given, so that a long run can keep its instances up long enough to measure their
+  memory); ``python -m ucm.store gc`` (``gc``) and ``verify --remove``
   (``verify``) run concurrently with the servers.
 
 How outputs are compared. Each request asks for its top-2 log-probabilities. An answer equal to the reference's
@@ -35,10 +36,17 @@ and unexpected engine exits (a UCM instance that died without being killed is re
 ``crashes``; a restart that fails to start is retried and listed in ``restart_failures``), TTFT p50/p99 of the UCM
 instances (ms, client side), and, every ``--sample-interval-s``: the hit rate of the interval
 (UCM's per-request log lines: external-hit blocks over full prompt blocks), each instance's RSS (MiB, all processes
-of its group) and open file descriptors, and ``/dev/shm`` use. ``rss_growth_last_half`` is each instance's RSS growth
-over the second half of the run (its incarnation since the last restart, when it was restarted then); ``verify`` is
+of its group) and open file descriptors, the reference server's, and ``/dev/shm`` use. ``rss_growth_last_half`` is
+each instance's RSS growth over the second half of the run (its incarnation since the last restart, when it was
+restarted then), and the reference's, the baseline: vLLM's own growth under the same load; ``verify`` is
 ``python -m ucm.store verify`` on the store at the end (the servers stopped). A PNG of hit rate and memory over time
 is written beside ``--out`` (or at ``--plot``).
+
+Memory allocator (``--malloc``): vLLM's CPU guide preloads tcmalloc into every server (``LD_PRELOAD``); its wheel
+here ships none and vLLM warns at start. ``tcmalloc`` preloads Debian's ``libtcmalloc_minimal.so.4`` (package
+``libtcmalloc-minimal4``; ``make setup`` installs it as root) into every server, the reference included; ``glibc``
+runs them on glibc's malloc; ``auto`` (default) is ``tcmalloc`` where it is installed. The summary's ``options``
+give the one used.
 
 Exit status 1 when any output mismatched, a request hung, an instance crashed or ``verify`` found a damaged block
 other than one a fault damaged (``verify.damaged_other``).
@@ -73,6 +81,8 @@ from ucm.testing.server import VllmServer  # noqa: E402
 from ucm.testing.texts import real_text  # noqa: E402
 
 FAULTS = ("corrupt", "truncate", "delete", "fifo", "readonly", "kill", "gc", "verify")
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian's libtcmalloc-minimal4
+MALLOCS = ("auto", "tcmalloc", "glibc")
 BLOCK_SIZE = 128  # vLLM's CPU attention block size
 
 
@@ -112,6 +122,8 @@ class Fleet:
         self.store.mkdir(parents=True)
         self.transfer = ucm_transfer_config(ucm_config(self.store, args.dram_gb, args.storage_gb, args.load_timeout_ms))
         self.env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)}
+        if args.malloc == "tcmalloc":
+            self.env["LD_PRELOAD"] = ":".join(p for p in (TCMALLOC, os.environ.get("LD_PRELOAD", "")) if p)
         self.reference = self._server("reference", None)
         self.instances = [Instance(i, self._server(f"ucm{i}-0", self.transfer)) for i in range(args.instances)]
 
@@ -328,8 +340,8 @@ class Faults:
         self.injected: set[str] = set()  # block paths this soak damaged (corrupt, truncate, fifo)
 
     async def run(self, stop_at: float, kinds: list[str], interval_s: float) -> None:
-        """One fault of a random kind of ``kinds`` every ``interval_s`` until ``stop_at``."""
-        while time.monotonic() < stop_at:
+        """One fault of a random kind of ``kinds`` every ``interval_s``, none after ``stop_at``."""
+        while time.monotonic() + interval_s < stop_at:
             await asyncio.sleep(interval_s)
             available = [k for k in kinds if k not in self.unavailable]
             if not available:
@@ -482,17 +494,25 @@ async def watch(
             row[f"ucm{inst.index}_rss_mib"] = round(rss, 1)
             row[f"ucm{inst.index}_fds"] = fds
             row[f"ucm{inst.index}_incarnation"] = inst.incarnation
+        rss, fds = group_usage(fleet.reference.pids())
+        row["reference_rss_mib"], row["reference_fds"] = round(rss, 1), fds
         row["hit_rate"] = round(hits / blocks, 3) if blocks else None
         timeline.append(row)
         print(f"[soak] {json.dumps(row)}", file=sys.stderr, flush=True)
 
 
 def rss_growth_last_half(timeline: list[dict[str, Any]], instances: int) -> dict[str, float | None]:
-    """Per instance: RSS at the end over RSS at mid-run (or at its last restart after mid-run), minus 1."""
+    """Per instance: RSS at the end over RSS at mid-run (or at its last restart after mid-run), minus 1; and the
+    same for the reference server (``reference``, never restarted), where the timeline has it."""
     out: dict[str, float | None] = {}
     if not timeline:
         return out
     mid = timeline[-1]["t_s"] / 2
+    ref = [r for r in timeline if r.get("reference_rss_mib")]
+    if ref:
+        start = next((r for r in ref if r["t_s"] >= mid), None)
+        grew = start is not None and start is not ref[-1]
+        out["reference"] = round(ref[-1]["reference_rss_mib"] / start["reference_rss_mib"] - 1, 4) if grew else None
     for i in range(instances):
         rows = [r for r in timeline if r[f"ucm{i}_rss_mib"] > 0]
         last = rows[-1] if rows else None
@@ -518,6 +538,7 @@ def write_plot(timeline: list[dict[str, Any]], instances: int, path: Path) -> Pa
     ax1.set_ylim(0, 1.05)
     for i in range(instances):
         ax2.plot(t, [r[f"ucm{i}_rss_mib"] for r in timeline], label=f"instance {i} RSS")
+    ax2.plot(t, [r.get("reference_rss_mib", float("nan")) for r in timeline], label="reference (no UCM) RSS")
     ax2.plot(t, [r["shm_mib"] for r in timeline], label="/dev/shm")
     ax2.set_ylabel("MiB")
     ax2.set_xlabel("minutes")
@@ -550,6 +571,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kill-interval-s", type=float, default=None,
         help="SIGKILL an instance every this many seconds, apart from the other faults (None: kill is one of them)",
     )  # fmt: skip
+    p.add_argument(
+        "--kill-until-s", type=float, default=None,
+        help="with --kill-interval-s: no kill after this many seconds (e.g. to keep the instances up through the "
+        "half of the run whose RSS growth is measured); None: until the end",
+    )  # fmt: skip
     p.add_argument("--sample-interval-s", type=float, default=10.0)
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="a request without answer by then hung")
     p.add_argument("--tie-logprob", type=float, default=0.05, help="see 'How outputs are compared'")
@@ -557,7 +583,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the JSON summary here (and the PNG beside it)")
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out)")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and the store")
+    p.add_argument(
+        "--malloc",
+        default="auto",
+        help=f"the servers' allocator, of {', '.join(MALLOCS)} (auto: tcmalloc if installed)",
+    )
     args = p.parse_args(argv)
+    if args.malloc not in MALLOCS:
+        p.error(f"--malloc {args.malloc}: unknown; allowed: {', '.join(MALLOCS)}")
+    if args.malloc == "auto":
+        args.malloc = "tcmalloc" if os.path.exists(TCMALLOC) else "glibc"
+    if args.malloc == "tcmalloc" and not os.path.exists(TCMALLOC):
+        p.error(f"--malloc tcmalloc: {TCMALLOC} not found; install Debian's libtcmalloc-minimal4 (make setup does) "
+                "or pass --malloc glibc")  # fmt: skip
     bad = [f for f in args.faults if f not in FAULTS]
     if bad:
         p.error(f"--faults {' '.join(bad)}: unknown; allowed: {', '.join(FAULTS)}")
@@ -580,7 +618,8 @@ async def soak(args: argparse.Namespace, fleet: Fleet, work: Workload) -> tuple[
     kinds = list(args.faults)
     if args.kill_interval_s is not None and "kill" in kinds:  # kills on their own clock
         kinds.remove("kill")
-        tasks.append(asyncio.create_task(faults.run(stop_at, ["kill"], args.kill_interval_s)))
+        kills_end = stop_at if args.kill_until_s is None else min(stop_at, t0 + args.kill_until_s)
+        tasks.append(asyncio.create_task(faults.run(kills_end, ["kill"], args.kill_interval_s)))
     tasks += [
         asyncio.create_task(faults.run(stop_at, kinds, args.fault_interval_s)),
         asyncio.create_task(watch(fleet, timeline, stop_at, t0, crashes, faults.restart_failures)),

@@ -40,12 +40,19 @@ def test_rss_growth_is_taken_within_one_incarnation(bench: ModuleType) -> None:
         {"t_s": 100, "ucm0_rss_mib": 99.0, "ucm0_incarnation": 1},
     ]
     assert bench.rss_growth_last_half(rows, 1) == {"ucm0": 0.1}
+    for r, ref in zip(rows, (500.0, 520.0, 530.0, 546.0), strict=True):
+        r["reference_rss_mib"] = ref
+    assert bench.rss_growth_last_half(rows, 1) == {"ucm0": 0.1, "reference": 0.05}  # from t=60 s (mid-run: 50 s)
 
 
 def test_bad_options_are_named(bench: ModuleType, capsys: Any) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--faults", "kill", "meteor"])
     assert "--faults meteor: unknown; allowed: corrupt, truncate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--malloc", "jemalloc"])
+    assert "--malloc jemalloc: unknown; allowed: auto, tcmalloc, glibc" in capsys.readouterr().err
+    assert bench.parse_args([]).malloc in ("tcmalloc", "glibc")  # auto, resolved
 
 
 @pytest.mark.engine
@@ -67,3 +74,4 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert summary["verify"]["damaged_other"] == [], summary["verify"]  # damage left by UCM, not by the faults
     assert sum(n for kind, n in summary["faults"].items() if "failed" not in kind) >= 5, summary["faults"]
     assert summary["timeline"] and (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
+    assert all(r["reference_rss_mib"] > 0 for r in summary["timeline"])

@@ -122,10 +122,15 @@ def test_restart_loads_prefix_and_output_is_identical(cold, restarted):
     assert len(prefaulted) == 1, stderr[-3000:]  # the worker's store only (the scheduler's is not prepared)
     count, nbytes = int(prefaulted[0][0]), int(prefaulted[0][1])
     assert count == int(PREFAULT_GB * 2**30) // nbytes > 0
-    # The load buffer was paged in at start, sized for one request of max_model_len (2048) tokens.
-    registered = re.findall(r"block (\d+) tokens, .* load buffer of (\d+) blocks", stderr)
+    # The load buffer was paged in at start, sized for one request of max_model_len (2048) tokens, and so was a dump
+    # buffer of at least that many blocks (a power of two: the dump buffers' pool sizes).
+    registered = re.findall(
+        r"block (\d+) tokens, .* load buffer of (\d+) blocks, .* dump buffer of (\d+) blocks", stderr
+    )
     assert len(registered) == 1, stderr[-3000:]
-    assert int(registered[0][1]) == -(-2048 // int(registered[0][0]))
+    request_blocks = -(-2048 // int(registered[0][0]))
+    assert int(registered[0][1]) == request_blocks
+    assert int(registered[0][2]) == 1 << (request_blocks - 1).bit_length()
     if len(os.sched_getaffinity(0)) > 1:  # vLLM binds the worker's main thread to one core; UCM's threads are not
         assert "[UC][I] UCM threads run on CPUs 0-" in stderr
 

@@ -81,7 +81,8 @@ def test_a_clean_load_drops_nothing(store: PosixStore) -> None:
     _step(worker, [BlockTransfer("r", STORED[:1], [2])], [BlockTransfer("r", NEW[0:2], [4, 5])])
     worker.shutdown()
     store.flush()
-    assert worker.take_worker_meta() is None  # nothing failed or dropped (a Posix-only store reports no keys early)
+    meta = worker.take_worker_meta()  # stored keys may be reported, if the writes were quick
+    assert meta is None or (meta.failed_keys == [] and meta.dropped_keys == [])
     assert store.lookup(NEW[0:2]) == 2
 
 

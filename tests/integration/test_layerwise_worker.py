@@ -156,9 +156,10 @@ def test_loads_use_or_grow_the_load_buffer(filled, layerwise, buffer_blocks) -> 
         worker.wait_for_layer_load(n)
     worker.wait_for_save(meta)
     assert all(_written(caches, n, TARGET_IDS, source) for n in LAYERS)
-    fits = buffer_blocks >= len(KEYS)
-    assert (worker._load_buffer.data_ptr() == paged_in.data_ptr()) == fits  # reused when the load fits
-    assert worker._load_buffer.shape[0] == max(buffer_blocks, len(KEYS))
+    # Reused when the load fits; otherwise blockwise loads in rounds of its size, layerwise grows it.
+    reused = buffer_blocks >= len(KEYS) or not layerwise
+    assert (worker._load_buffer.data_ptr() == paged_in.data_ptr()) == reused
+    assert worker._load_buffer.shape[0] == (buffer_blocks if reused else len(KEYS))
     worker.shutdown()
 
 

@@ -50,9 +50,14 @@ def _caches(seed: int | None) -> dict[str, torch.Tensor]:
     return paged_caches(SPEC, NUM_BLOCKS, seed)
 
 
-def _worker(store: PosixStore, caches: dict[str, torch.Tensor], layerwise: bool) -> UCMWorker:
+def _worker(store: PosixStore, caches: dict[str, torch.Tensor], layerwise: bool, buffer_blocks: int = 4) -> UCMWorker:
     worker = UCMWorker(
-        SPEC, store, lambda _c: KVLayout.CPU_ATTN, layerwise=layerwise, load_buffer_blocks=4, load_timeout_s=TIMEOUT_S
+        SPEC,
+        store,
+        lambda _c: KVLayout.CPU_ATTN,
+        layerwise=layerwise,
+        load_buffer_blocks=buffer_blocks,
+        load_timeout_s=TIMEOUT_S,
     )
     worker.register_kv_caches(caches)
     return worker
@@ -154,3 +159,25 @@ def test_durable_dump_past_the_deadline_returns_and_stores_later(hung, ucm_lines
         assert len(worker._pending_dumps) == 1  # its staging buffer stays with the store's task
     worker.shutdown()  # waits for the pending dump
     assert store.lookup(keys) == 2
+
+
+def test_a_load_in_rounds_past_the_deadline_fails_every_block(hung, ucm_lines) -> None:
+    """Blockwise, a load larger than the load buffer runs in rounds: the deadline bounds them all together, and a
+    round past it fails its blocks and every later round's."""
+    store, source, pid = hung
+    caches = _caches(seed=None)
+    worker = _worker(store, caches, layerwise=False, buffer_blocks=2)  # 3 blocks: two rounds
+    meta = UCMConnectorMetadata(loads=[BlockTransfer("r1", KEYS, TARGET_IDS)])
+    with fusefs.stopped(pid):
+        t0 = time.monotonic()
+        worker.start_load_kv(meta)
+        assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + MARGIN_S
+        assert worker.get_block_ids_with_load_errors() == set(TARGET_IDS)
+        assert _untouched(caches)
+        timeouts = [ln for ln in ucm_lines if "did not finish within load_timeout_ms" in ln]
+        assert len(timeouts) == 1 and timeouts[0].startswith("WARNING load of 3 blocks"), ucm_lines
+    worker.start_load_kv(meta)
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert _written(caches, source)
+    assert worker._load_buffer is not None and worker._load_buffer.shape[0] == 2  # not grown to the load's size
+    worker.shutdown()

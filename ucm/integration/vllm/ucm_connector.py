@@ -165,8 +165,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             # The request namespace (rank 0's, as the scheduler keys it) tags the block files for operators' tools.
             ns = namespace(vllm_config, self._spec, tp_rank=0)
             self._store.set_namespace(ns.digest(), dataclasses.asdict(ns))
-            # A kv_producer never loads: no load buffer worth paging in.
-            buffer_blocks = load_buffer_blocks(vllm_config.model_config.max_model_len, self._spec) if load else 1
+            # A kv_producer never loads: no load buffer worth paging in; a kv_consumer never dumps: no dump buffer.
+            request_blocks = load_buffer_blocks(vllm_config.model_config.max_model_len, self._spec)
+            buffer_blocks = request_blocks if load else 1
             self._worker = UCMWorker(
                 self._spec,
                 self._store,
@@ -175,6 +176,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=tp_size,
                 layerwise=self._ucm_config.use_layerwise,
                 load_buffer_blocks=buffer_blocks,
+                dump_buffer_blocks=request_blocks if dump else 0,
                 load_timeout_s=self._ucm_config.load_timeout_s,
                 any_rank=any_rank,
             )

@@ -1,9 +1,11 @@
 """Worker side of UCMConnector: moves KV between vLLM's paged cache and the store, blockwise or layerwise.
 
 Blockwise (default), per step: ``start_load_kv`` loads every block the scheduler planned, all layers at once, and
-scatters them into the paged KV before the forward pass; ``wait_for_save`` gathers the blocks that became full
-during the pass into a staging buffer and hands it to the store, whose writes finish in the background (the gather
-is the only part the step waits for, so vLLM may reuse the blocks as soon as it returns).
+scatters them into the paged KV before the forward pass (in rounds of the load buffer's blocks: one request of
+``max_model_len`` tokens, so memory does not grow with the number of requests loaded in one step); ``wait_for_save``
+gathers the blocks that became full during the pass into a staging buffer and hands it to the store, whose writes
+finish in the background (the gather is the only part the step waits for, so vLLM may reuse the blocks as soon as it
+returns).
 
 Layerwise (``use_layerwise: true``), per step:
 - ``start_load_kv`` starts a sharded load (``UcmKVStoreBase.load_sharded``, one shard per layer) and returns at once;
@@ -50,6 +52,7 @@ import torch
 from ucm.hashing import rank_keys
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, UCMWorkerMetadata
+from ucm.integration.vllm.staging import StagingPool
 from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks, scatter_layers, warm_up
 from ucm.logger import init_logger
 from ucm.sparse import invalidate_blocks
@@ -99,7 +102,8 @@ class _LayerDump:
     keys: list[bytes]
     block_ids: list[int]
     ids: torch.Tensor  # int64 [n] block ids on the caches' device
-    staging: torch.Tensor  # [n, num_layers, *shard] on the caches' device
+    host: torch.Tensor  # the dump's buffer from the StagingPool (CPU; >= n blocks)
+    staging: torch.Tensor  # [n, num_layers, *shard] on the caches' device (on CPU: host's first n blocks)
     gathered: list[bool]  # per layer
 
 
@@ -125,10 +129,14 @@ class UCMWorker:
         tp_rank / tp_size: tensor-parallel rank and size.
         layerwise: ``use_layerwise``: load and gather layer by layer (see the module docstring).
         load_buffer_blocks: blocks of the load staging buffer allocated and paged in by
-            :meth:`register_kv_caches` (a larger load grows it, once). Without it the first storage hit of a process
+            :meth:`register_kv_caches` (a larger blockwise load is done in rounds of that many blocks; a larger
+            layerwise load grows it). Without it the first storage hit of a process
             copies every block into fresh memory, whose page faults contend with the I/O threads' and make those
             copies many times slower than copies into touched memory (figures in benchmarks/RESULTS.md, "Other
             one-off costs").
+        dump_buffer_blocks: blocks of a dump staging buffer allocated and paged in by :meth:`register_kv_caches`
+            and put in the dump buffers' pool (:class:`~ucm.integration.vllm.staging.StagingPool`), so that the
+            first dumps after a start do not pay for fresh pages either; 0: none.
         load_timeout_s: most seconds a step waits for a load or a durable dump (``load_timeout_ms``; see the
             module docstring).
         any_rank: with tensor parallelism, ``any_rank(flag)`` is True on every rank when ``flag`` is True on at
@@ -137,7 +145,7 @@ class UCMWorker:
             rank alone.
 
     Raises:
-        ValueError: ``load_buffer_blocks`` < 1, or ``load_timeout_s`` not > 0.
+        ValueError: ``load_buffer_blocks`` < 1, ``dump_buffer_blocks`` < 0, or ``load_timeout_s`` not > 0.
     """
 
     def __init__(
@@ -149,11 +157,15 @@ class UCMWorker:
         tp_size: int = 1,
         layerwise: bool = False,
         load_buffer_blocks: int = 16,
+        dump_buffer_blocks: int = 0,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
         if load_buffer_blocks < 1:
             raise ValueError(f"load_buffer_blocks must be >= 1, got {load_buffer_blocks}")
+        if dump_buffer_blocks < 0:
+            raise ValueError(f"dump_buffer_blocks must be >= 0, got {dump_buffer_blocks}")
+        self._dump_buffer_blocks = dump_buffer_blocks
         if not load_timeout_s > 0:
             raise ValueError(f"load_timeout_s must be > 0 (seconds), got {load_timeout_s}")
         self._load_timeout_s = load_timeout_s
@@ -170,7 +182,9 @@ class UCMWorker:
         self._kv_caches: list[torch.Tensor] = []
         self._layout: KVLayout | None = None
         self._load_errors: set[int] = set()
-        self._pending_dumps: list[tuple[Task, torch.Tensor, list[bytes]]] = []  # (task, src rows, store keys)
+        # (task, its StagingPool buffer, store keys): the buffer goes back to the pool once the task is done
+        self._pending_dumps: list[tuple[Task, torch.Tensor, list[bytes]]] = []
+        self._dump_pool: StagingPool | None = None  # made by register_kv_caches
         self._reset_epoch = 0
         self._stored_keys: list[bytes] = []
         self._failed_keys: list[bytes] = []
@@ -209,11 +223,22 @@ class UCMWorker:
         # Page the load buffer in now: a first touch during a storage hit would be on its TTFT.
         self._load_buffer = self._staging(self._load_buffer_blocks)
         self._load_buffer.view(torch.uint8).zero_()
+        # Dump buffers: up to twice the load buffer's bytes kept for reuse (see ucm.integration.vllm.staging), at
+        # least the paged-in one.
+        dump_nbytes = StagingPool.capacity(self._dump_buffer_blocks) * self._spec.block_nbytes
+        self._dump_pool = StagingPool(
+            self._load_buffer.shape[1:], self._spec.dtype, max(2 * self._load_buffer.nbytes, dump_nbytes)
+        )
+        if self._dump_buffer_blocks:
+            dump_buffer = self._dump_pool.take(self._dump_buffer_blocks)
+            dump_buffer.view(torch.uint8).zero_()
+            self._dump_pool.give(dump_buffer)
         t2 = time.perf_counter()
         self._store.prepare(self._spec.block_nbytes)  # e.g. the Cache stage's cache_prefault_gb
         logger.info(
             "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block, %s transfer (kernels ready "
-            "in %.0f ms; load buffer of %d blocks, %.0f MiB, paged in in %.0f ms)",
+            "in %.0f ms; load buffer of %d blocks, %.0f MiB, and dump buffer of %d blocks, %.0f MiB, paged in in "
+            "%.0f ms)",
             len(self._kv_caches),
             self._layout.value,
             self._spec.block_size,
@@ -222,21 +247,39 @@ class UCMWorker:
             (t1 - t0) * 1e3,
             self._load_buffer_blocks,
             self._load_buffer.nbytes / 2**20,
+            StagingPool.capacity(self._dump_buffer_blocks) if self._dump_buffer_blocks else 0,
+            dump_nbytes / 2**20 if self._dump_buffer_blocks else 0,
             (t2 - t1) * 1e3,
         )
 
     def _staging(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A new ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` buffer (dumps: owned by the store until
-        its task is done)."""
-        s = self._spec
-        shape = (n, *canonical_block_shape(len(self._kv_caches), s.block_size, s.num_kv_heads, s.head_dim))
-        return torch.empty(shape, dtype=s.dtype, device=device)
+        """A new ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` buffer."""
+        return torch.empty((n, *self._block_shape()), dtype=self._spec.dtype, device=device)
+
+    def _dump_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dump of ``n`` blocks: (its host buffer from the :class:`StagingPool`, owned by the store until the
+        dump's task is done and then given back; the ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]``
+        buffer to gather into: the host buffer's first ``n`` blocks, or a new one on the caches' device, copied
+        into the host buffer by :meth:`_to_host`)."""
+        assert self._dump_pool is not None
+        host = self._dump_pool.take(n)
+        device = self._kv_caches[0].device
+        return host, host[:n] if device.type == "cpu" else self._staging(n, device)
+
+    @staticmethod
+    def _to_host(host: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
+        """The dump's gathered blocks as uint8 rows ``[n, block_nbytes]`` of its host buffer."""
+        n = staging.shape[0]
+        if staging.device.type != "cpu":
+            host[:n].copy_(staging)
+        return host[:n].view(torch.uint8).view(n, -1)
 
     def _load_staging(self, n: int) -> torch.Tensor:
         """The first ``n`` blocks of a load buffer kept across steps (a step's load is over before the next one
         starts: when ``start_load_kv`` returns, or, layerwise, in ``wait_for_save``); reusing it spares the page
-        faults of a fresh allocation per load. Allocated and paged in by :meth:`register_kv_caches`; a larger load
-        replaces it by one of ``n`` blocks; after :meth:`_abandon_load_buffer`, a new one of at least
+        faults of a fresh allocation per load. Allocated and paged in by :meth:`register_kv_caches`; a blockwise
+        load larger than it is done in rounds of its size (:meth:`start_load_kv`); a larger layerwise load replaces
+        it by one of ``n`` blocks; after :meth:`_abandon_load_buffer`, a new one of at least
         ``load_buffer_blocks`` blocks."""
         if self._load_buffer is None or self._load_buffer.shape[0] < n:
             self._load_buffer = self._staging(max(n, self._load_buffer_blocks))
@@ -294,29 +337,39 @@ class UCMWorker:
             self._start_layer_load(meta)
             return
         keys, block_ids = self._flatten(meta.loads)
+        requests = tuple(t.req_id for t in meta.loads)
+        deadline = time.perf_counter() + self._load_timeout_s
+        # In rounds of at most the load buffer's blocks: a step that loads for many requests at once reuses the
+        # buffer instead of growing it (the process's memory would keep the largest batch ever loaded).
+        step = self._load_buffer_blocks
+        for start in range(0, len(keys), step):
+            end = start + step
+            if not self._load_round(keys[start:end], block_ids[start:end], requests, deadline):
+                # Abandoned: its buffer is never read again (see the module docstring); later rounds fail too.
+                self._timed_out(keys[start:], block_ids[start:], layerwise=False, requests=requests)
+                return
+
+    def _load_round(self, keys: list[bytes], block_ids: list[int], requests: tuple[str, ...], deadline: float) -> bool:
+        """Load ``keys`` (at most the load buffer's blocks) into the load buffer and scatter those that loaded into
+        ``block_ids``; record those that failed. False when the store did not finish by ``deadline``
+        (``perf_counter`` seconds): nothing is scattered or recorded then."""
         t0 = time.perf_counter()
         staging = self._load_staging(len(keys))
         rows = staging.view(torch.uint8).view(len(keys), -1)
-        with requests_of([t.req_id for t in meta.loads]):  # named in the stages' observations
+        with requests_of(requests):  # named in the stages' observations
             task = self._store.load(rank_keys(keys, self._tp_rank, self._tp_size), rows)
         try:
-            result = task.result(self._load_timeout_s)
-        except TimeoutError:  # abandoned: its buffer is never read again (see the module docstring)
-            self._timed_out(keys, block_ids, layerwise=False, requests=tuple(t.req_id for t in meta.loads))
-            return
+            result = task.result(max(0.0, deadline - t0))
+        except TimeoutError:
+            return False
         t1 = time.perf_counter()
         ok = [i for i in range(len(keys)) if i not in result.failed]
         if result.failed:
             self._record_failed(keys, block_ids, result.failed)
             logger.warning("%d of %d blocks failed to load; vLLM recomputes them", len(result.failed), len(keys))
         if not ok:
-            return
-        device = self._kv_caches[0].device
-        src = staging if len(ok) == len(keys) else staging[ok]
-        ids = torch.tensor([block_ids[i] for i in ok], dtype=torch.int64)
-        scatter_blocks(src.to(device, non_blocking=True), self._kv_caches, ids.to(device), self._layout)
-        # Sparse attention's per-block summaries of these blocks describe their previous contents: recompute them.
-        invalidate_blocks(ids)
+            return True
+        self._scatter([block_ids[i] for i in ok], staging if len(ok) == len(keys) else staging[ok])
         logger.debug(
             "loaded %d blocks into vLLM block ids %s: store %.1f ms, scatter %.1f ms",
             len(ok),
@@ -324,6 +377,21 @@ class UCMWorker:
             (t1 - t0) * 1e3,
             (time.perf_counter() - t1) * 1e3,
         )
+        return True
+
+    def _block_shape(self) -> tuple[int, ...]:
+        s = self._spec
+        return tuple(canonical_block_shape(len(self._kv_caches), s.block_size, s.num_kv_heads, s.head_dim))
+
+    def _scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
+        """Write canonical blocks ``src`` (``[len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]``,
+        CPU) into ``block_ids`` of the paged KV."""
+        assert self._layout is not None
+        device = self._kv_caches[0].device
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        scatter_blocks(src.to(device, non_blocking=True), self._kv_caches, ids.to(device), self._layout)
+        # Sparse attention's per-block summaries of these blocks describe their previous contents: recompute them.
+        invalidate_blocks(ids)
 
     def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
         """Gather the step's newly full blocks and start their dump; return once the gather is done.
@@ -338,6 +406,8 @@ class UCMWorker:
         self._finish_layer_load()
         layer_dump, self._layer_dump = self._layer_dump, None
         if self._drop_this_step(meta):
+            if layer_dump is not None and self._dump_pool is not None:
+                self._dump_pool.give(layer_dump.host)
             if meta.dumps and self._layout is not None:
                 keys, _ = self._flatten(meta.dumps)
                 self._dropped_keys.extend(keys)
@@ -353,25 +423,24 @@ class UCMWorker:
             for layer, done in enumerate(layer_dump.gathered):
                 if not done:
                     self._gather_layer(layer_dump, layer)
-            keys, block_ids, staging = layer_dump.keys, layer_dump.block_ids, layer_dump.staging.to("cpu")
+            keys, block_ids = layer_dump.keys, layer_dump.block_ids
+            host, rows = layer_dump.host, self._to_host(layer_dump.host, layer_dump.staging)
         else:
             keys, block_ids = self._flatten(meta.dumps)
-            device = self._kv_caches[0].device
-            ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
-            staging = gather_blocks(self._kv_caches, ids, self._layout, out=self._staging(len(keys), device))
-            staging = staging.to("cpu")
-        rows = staging.view(torch.uint8).view(len(keys), -1)
+            ids = torch.tensor(block_ids, dtype=torch.int64, device=self._kv_caches[0].device)
+            host, staging = self._dump_buffers(len(keys))
+            rows = self._to_host(host, gather_blocks(self._kv_caches, ids, self._layout, out=staging))
         ranked = rank_keys(keys, self._tp_rank, self._tp_size)
         logger.debug("dumping %d blocks: vLLM block ids %s", len(keys), block_ids)
         with requests_of([t.req_id for t in meta.dumps]):
             task = self._store.dump(ranked, rows)
         if any(t.durable for t in meta.dumps):
             # A prefill for another instance: its response must not leave before the blocks are in storage.
-            if not self._wait_durable(task, rows, ranked):
+            if not self._wait_durable(task, host, ranked):
                 return  # the store is stalled: nothing to report stored, and a lookup would wait again
         else:
-            # Keep the staging buffer alive until the store has finished with it.
-            self._pending_dumps.append((task, rows, ranked))
+            # The store reads the buffer until the task is done; _reap_dumps then gives it back to the pool.
+            self._pending_dumps.append((task, host, ranked))
         # Blocks the store can already serve (e.g. copied into the DRAM tier), reported to the scheduler.
         start = 0
         for t in meta.dumps:
@@ -391,11 +460,12 @@ class UCMWorker:
         self._drop_dump_steps = max(0, self._drop_dump_steps - 1)
         return drop
 
-    def _wait_durable(self, task: Task, rows: torch.Tensor, keys: list[bytes]) -> bool:
+    def _wait_durable(self, task: Task, host: torch.Tensor, keys: list[bytes]) -> bool:
         """Wait for a durable dump's task and then for the store's earlier write-backs (which may be writing blocks
         of this dump), at most ``load_timeout_s`` in all; return False when the time ran out. The step then goes on
         with one warning: the blocks not stored by then are recomputed by the instance that loads them; the task
-        keeps ``rows`` (a staging copy, not vLLM's KV) until it is done."""
+        keeps ``host`` (its staging buffer, not vLLM's KV) until it is done, and :meth:`_reap_dumps` gives it back
+        to the pool. Done in time, ``host`` goes back to the pool at once."""
         t_wait = time.perf_counter()
         deadline = t_wait + self._load_timeout_s
         try:
@@ -405,8 +475,8 @@ class UCMWorker:
             # One flush at a time: one still stalled makes the next wait behind it, and time out too.
             self._flusher.submit(self._store.flush).result(max(0.0, deadline - time.perf_counter()))
         except TimeoutError:
-            if not task.done():
-                self._pending_dumps.append((task, rows, keys))  # reaped (and its failures logged) on later steps
+            # Reaped (its failures logged, its buffer given back) on later steps.
+            self._pending_dumps.append((task, host, keys))
             logger.warning(
                 "durable dump of %d blocks did not finish within load_timeout_ms (%.0f ms); the response leaves "
                 "now and the instance that loads them recomputes the blocks not stored by then",
@@ -414,6 +484,8 @@ class UCMWorker:
                 self._load_timeout_s * 1e3,
             )
             return False
+        assert self._dump_pool is not None
+        self._dump_pool.give(host)
         if result.failed:
             logger.warning("%d of %d blocks were not stored", len(result.failed), len(keys))
         logger.debug("durable dump of %d blocks: waited %.1f ms", len(keys), (time.perf_counter() - t_wait) * 1e3)
@@ -516,10 +588,9 @@ class UCMWorker:
             return
         if self._layer_dump is None:
             keys, block_ids = self._flatten(meta.dumps)
-            device = self._kv_caches[0].device
-            ids = torch.tensor(block_ids, dtype=torch.int64).to(device)
-            staging = self._staging(len(keys), device)
-            self._layer_dump = _LayerDump(keys, block_ids, ids, staging, [False] * len(self._kv_caches))
+            ids = torch.tensor(block_ids, dtype=torch.int64).to(self._kv_caches[0].device)
+            host, staging = self._dump_buffers(len(keys))
+            self._layer_dump = _LayerDump(keys, block_ids, ids, host, staging, [False] * len(self._kv_caches))
         self._gather_layer(self._layer_dump, layer)
 
     def _gather_layer(self, dump: _LayerDump, layer: int) -> None:
@@ -529,13 +600,15 @@ class UCMWorker:
 
     def _reap_dumps(self, block: bool) -> None:
         still: list[tuple[Task, torch.Tensor, list[bytes]]] = []
-        for task, rows, keys in self._pending_dumps:
+        for task, host, keys in self._pending_dumps:
             if block or task.done():
                 result = task.result()
+                assert self._dump_pool is not None
+                self._dump_pool.give(host)
                 if result.failed:
                     logger.warning("%d of %d blocks were not stored", len(result.failed), len(keys))
             else:
-                still.append((task, rows, keys))
+                still.append((task, host, keys))
         self._pending_dumps = still
 
     def reset(self, meta: UCMConnectorMetadata) -> None:
