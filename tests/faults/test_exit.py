@@ -2,13 +2,15 @@
 
 The real offline ``LLM`` layout (vLLM's engine core in its own process, which vLLM's exit stops with SIGTERM and
 SIGKILLs when it has not exited 5 s later) over a store on a FUSE mount whose every write is slowed
-(``ucm.testing.fusefs --write-delay-ms``; a block file takes two write requests, its two files are written in
-parallel), one prompt of two blocks, so that the DRAM tier's write-back is still running when the script ends:
-- slow writes (~4.4 s per block file, less than vLLM's 5 s even if the script ended at once): UCM waits and says
-  the blocks are stored, after saying how many were in flight (when the script's end came before the write-back
-  did); both blocks are in storage and verify;
-- very slow writes (~10 s per block file): vLLM kills the engine while it writes; UCM's first line is there and its
-  second is not; no block file is visible (none partial).
+(``ucm.testing.fusefs --write-delay-ms``; a block file of the tiny model is written in a few requests; the two files
+are written in parallel), one prompt of two blocks, so that the DRAM tier's write-back is still running when the
+script ends:
+- slow writes (1.5 s per request, so that a block file's few requests take less than vLLM's 5 s even if the script
+  ended at once): UCM waits and says the blocks are stored, after saying how many were in flight (when the script's
+  end came before the write-back did); both blocks are in storage and verify;
+- very slow writes (15 s per request, far more than vLLM's 5 s for any block file, also on a loaded machine): vLLM
+  kills the engine while it writes; UCM's first line is there and its second is not; no block file is visible (none
+  partial).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _exit_with_backlog(tiny_model, prompts, tmp_path, write_delay_ms: float) -> 
 
 
 def test_exit_waits_for_the_write_backs_and_says_so(tiny_model, fault_prompts, tmp_path):
-    stderr, files = _exit_with_backlog(tiny_model, fault_prompts, tmp_path, write_delay_ms=2200)
+    stderr, files = _exit_with_backlog(tiny_model, fault_prompts, tmp_path, write_delay_ms=1500)
     storing, stored = STORING_RE.findall(stderr), STORED_RE.findall(stderr)
     assert len(stored) == 1, stderr[-3000:]
     assert storing in ([], stored)  # "storing N" only when some were in flight; then the same N are stored
@@ -57,7 +59,7 @@ def test_exit_waits_for_the_write_backs_and_says_so(tiny_model, fault_prompts, t
 
 
 def test_exit_killed_while_writing_leaves_no_partial_block(tiny_model, fault_prompts, tmp_path):
-    stderr, files = _exit_with_backlog(tiny_model, fault_prompts, tmp_path, write_delay_ms=5000)
+    stderr, files = _exit_with_backlog(tiny_model, fault_prompts, tmp_path, write_delay_ms=15000)
     assert STORING_RE.findall(stderr) == [str(2 * NUM_PROMPTS)], stderr[-3000:]
     assert not STORED_RE.findall(stderr)  # killed by vLLM before it could say so
     assert files == []  # both were being written: neither is visible
