@@ -225,12 +225,13 @@ class UCMWorker:
         self._load_buffer.view(torch.uint8).zero_()
         # Dump buffers: up to twice the load buffer's bytes kept for reuse (see ucm.integration.vllm.staging), at
         # least the paged-in one.
-        dump_nbytes = StagingPool.capacity(self._dump_buffer_blocks) * self._spec.block_nbytes
+        dump_blocks = StagingPool.capacity(self._dump_buffer_blocks) if self._dump_buffer_blocks else 0
+        dump_nbytes = dump_blocks * self._spec.block_nbytes
         self._dump_pool = StagingPool(
             self._load_buffer.shape[1:], self._spec.dtype, max(2 * self._load_buffer.nbytes, dump_nbytes)
         )
-        if self._dump_buffer_blocks:
-            dump_buffer = self._dump_pool.take(self._dump_buffer_blocks)
+        if dump_blocks:
+            dump_buffer = self._dump_pool.take(dump_blocks)
             dump_buffer.view(torch.uint8).zero_()
             self._dump_pool.give(dump_buffer)
         t2 = time.perf_counter()
@@ -247,8 +248,8 @@ class UCMWorker:
             (t1 - t0) * 1e3,
             self._load_buffer_blocks,
             self._load_buffer.nbytes / 2**20,
-            StagingPool.capacity(self._dump_buffer_blocks) if self._dump_buffer_blocks else 0,
-            dump_nbytes / 2**20 if self._dump_buffer_blocks else 0,
+            dump_blocks,
+            dump_nbytes / 2**20,
             (t2 - t1) * 1e3,
         )
 
