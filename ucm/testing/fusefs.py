@@ -225,15 +225,44 @@ def mount(
             proc.stderr.close()
 
 
+def _wait_all_threads_stopped(pid: int, timeout_s: float) -> None:
+    """Poll ``/proc/PID/task/*/stat`` until every thread's state is ``T`` (stopped by a signal).
+
+    Raises:
+        TimeoutError: not all were stopped within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that exited meanwhile
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                states.append(stat[stat.rindex(")") + 2])  # the field after "(comm)"
+        if states and all(s == "T" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"FUSE daemon {pid}: threads not all stopped after {timeout_s} s (states {states})")
+        time.sleep(0.001)
+
+
 @contextlib.contextmanager
 def stopped(pid: int, max_s: float = 60.0) -> Iterator[None]:
     """Stop the daemon ``pid`` (SIGSTOP: the mount hangs) for the ``with`` block; resume it (SIGCONT) on exit, or
-    after ``max_s`` seconds from a watchdog thread, so that a test blocked on the mount cannot hang forever."""
+    after ``max_s`` seconds from a watchdog thread, so that a test blocked on the mount cannot hang forever.
+
+    The block is entered only once every thread of the daemon is stopped. ``kill`` returns as soon as the signal is
+    queued, and the kernel wakes one thread, which then stops the others: on a busy machine the others could still
+    answer requests for a while, and a test's "hung" read would succeed.
+
+    Raises:
+        TimeoutError: some thread of ``pid`` was not stopped within 10 s (the daemon is resumed first).
+    """
     watchdog = threading.Timer(max_s, os.kill, (pid, signal.SIGCONT))
     watchdog.daemon = True
     os.kill(pid, signal.SIGSTOP)
     watchdog.start()
     try:
+        _wait_all_threads_stopped(pid, timeout_s=10.0)
         yield
     finally:
         watchdog.cancel()
