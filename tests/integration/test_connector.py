@@ -12,6 +12,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,14 +72,14 @@ def cold(tiny_model, store, prompts) -> list[RequestResult]:
 
 
 @pytest.fixture(scope="module")
-def restarted(tiny_model, store, prompts, cold) -> tuple[list[RequestResult], list[RequestResult], str]:
-    """A restarted engine (in vLLM's own process layout) and, at the same time, a second instance, both on the
-    cold engine's store."""
-    second: dict[str, list[RequestResult]] = {}
+def restarted(tiny_model, store, prompts, cold) -> tuple[list[RequestResult], list[RequestResult], str, str]:
+    """A restarted engine (in vLLM's own process layout) and, at the same time, a second instance (UCM's defaults),
+    both on the cold engine's store: the results of both and the stderr of both."""
+    second: dict[str, Any] = {}
 
     def run_second() -> None:
-        second["results"], stderr = run_engine(_spec(tiny_model, store, [{"prompt": prompts["p1"]}]))
-        assert failed_loads(stderr) == 0
+        second["results"], second["stderr"] = run_engine(_spec(tiny_model, store, [{"prompt": prompts["p1"]}]))
+        assert failed_loads(second["stderr"]) == 0
 
     thread = threading.Thread(target=run_second)
     thread.start()
@@ -101,7 +102,7 @@ def restarted(tiny_model, store, prompts, cold) -> tuple[list[RequestResult], li
     )
     results, stderr = run_engine(spec)
     thread.join()
-    return results, second["results"], stderr
+    return results, second["results"], stderr, second["stderr"]
 
 
 def test_cold_engine_misses_and_fills_store(cold, store):
@@ -114,14 +115,14 @@ def test_cold_engine_misses_and_fills_store(cold, store):
 
 
 def test_restart_loads_prefix_and_output_is_identical(cold, restarted):
-    results, _, stderr = restarted
+    results, _, stderr, _ = restarted
     assert failed_loads(stderr) == 0  # the hits below were really loaded, not recomputed after a failed load
     assert results[0].hit_external == 4 and results[0].hit_hbm == 0
     assert_same_output(results[0], cold[0])
     prefaulted = re.findall(r"Cache stage: prefaulted (\d+) slots of (\d+) bytes", stderr)
     assert len(prefaulted) == 1, stderr[-3000:]  # the worker's store only (the scheduler's is not prepared)
     count, nbytes = int(prefaulted[0][0]), int(prefaulted[0][1])
-    assert count == int(PREFAULT_GB * 2**30) // nbytes > 0
+    assert count == int(PREFAULT_GB * 2**30) // nbytes > -(-2048 // BLOCK_SIZE)  # more than one request's blocks
     # The load buffer was paged in at start, sized for one request of max_model_len (2048) tokens, and so was a dump
     # buffer of at least that many blocks (a power of two: the dump buffers' pool sizes).
     registered = re.findall(
@@ -136,23 +137,29 @@ def test_restart_loads_prefix_and_output_is_identical(cold, restarted):
 
 
 def test_partial_prefix_hit(cold, restarted):
-    results, _, _ = restarted
+    results, _, _, _ = restarted
     p2 = results[1]
     assert (p2.total_blocks, p2.hit_hbm, p2.hit_external) == (6, 0, 4)
     assert_same_output(p2, cold[2])  # same tokens as P2 recomputed from scratch (salted, no hit)
 
 
 def test_cache_salt_isolates(cold, restarted):
-    results, _, _ = restarted
+    results, _, _, _ = restarted
     assert results[2].hit_external == 4  # same salt as a cold request: hits its blocks
     assert_same_output(results[2], cold[1])
     assert results[3].hit_external == 0  # a salt never seen: no hit, though the tokens are P1's
 
 
 def test_second_instance_on_same_directory_hits(cold, restarted):
-    _, second, _ = restarted
+    _, second, _, stderr = restarted
     assert second[0].hit_external == 4
     assert_same_output(second[0], cold[0])
+    # Without cache_prefault_gb, the Cache stage still pages in DRAM slots for one request's blocks at start (the
+    # load buffer's count: max_model_len tokens), so the first blocks cached copy into memory already paged in.
+    load_buffer = re.findall(r"load buffer of (\d+) blocks", stderr)
+    prefaulted = re.findall(r"Cache stage: prefaulted (\d+) slots of (\d+) bytes", stderr)
+    assert len(load_buffer) == 1 and len(prefaulted) == 1, stderr[-3000:]
+    assert int(prefaulted[0][0]) == int(load_buffer[0]) == -(-2048 // BLOCK_SIZE)
 
 
 def test_damaged_blocks_are_recomputed(tiny_model, store, prompts, cold, restarted, tmp_path):

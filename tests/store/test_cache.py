@@ -528,10 +528,10 @@ class PreparedStore(DictStore):
 
     def __init__(self) -> None:
         super().__init__()
-        self.prepared: list[int] = []
+        self.prepared: list[tuple[int, int]] = []
 
-    def prepare(self, block_nbytes: int) -> None:
-        self.prepared.append(block_nbytes)
+    def prepare(self, block_nbytes: int, request_blocks: int = 0) -> None:
+        self.prepared.append((block_nbytes, request_blocks))
 
 
 def free_ptrs(cache: CacheStore, nbytes: int) -> set[int]:
@@ -543,7 +543,7 @@ def test_prefault_fills_free_slots_that_blocks_then_use(close_after: Closer) -> 
     cache = close_after(CacheStore(inner, 10 * NBYTES + 50, prefault_bytes=4 * NBYTES + 99))
     assert cache.slot_bytes == 0  # nothing allocated before prepare: the block size is not known yet
     cache.prepare(NBYTES)
-    assert inner.prepared == [NBYTES]  # passed down
+    assert inner.prepared == [(NBYTES, 0)]  # passed down
     assert cache._prefault_thread is not None
     cache._prefault_thread.join(timeout=10)
     prefaulted = free_ptrs(cache, NBYTES)
@@ -587,6 +587,35 @@ def test_prefault_stays_within_capacity_and_stops_at_close(close_after: Closer) 
     closed.close()
     closed.prepare(NBYTES)
     assert closed._prefault_thread is None and closed.slot_bytes == 0
+
+
+def test_prefault_covers_one_request_without_prefault_bytes(close_after: Closer) -> None:
+    """``request_blocks`` alone pages in that many slots (within the capacity); ``prefault_bytes`` wins when larger."""
+    inner = PreparedStore()
+    cache = close_after(CacheStore(inner, 10 * NBYTES, prefault_bytes=0))
+    cache.prepare(NBYTES, request_blocks=3)
+    assert inner.prepared == [(NBYTES, 3)]
+    assert cache._prefault_thread is not None
+    cache._prefault_thread.join(timeout=10)
+    assert len(free_ptrs(cache, NBYTES)) == 3 and cache.usage() == (0, 3 * NBYTES)
+    # The first dump after start fills those slots, not fresh ones.
+    prefaulted = free_ptrs(cache, NBYTES)
+    keys = make_keys(3, seed=94)
+    assert cache.wait(cache.dump(keys, make_blocks(3, NBYTES, seed=95))).ok
+    assert slot_ptrs(cache) == prefaulted and cache.usage() == (3 * NBYTES, 3 * NBYTES)
+    capped = close_after(CacheStore(None, 2 * NBYTES + 7))
+    capped.prepare(NBYTES, request_blocks=5)
+    capped._prefault_thread.join(timeout=10)
+    assert capped.usage() == (0, 2 * NBYTES)  # a request larger than the cache: as many as fit
+    larger = close_after(CacheStore(None, 10 * NBYTES, prefault_bytes=4 * NBYTES))
+    larger.prepare(NBYTES, request_blocks=2)
+    larger._prefault_thread.join(timeout=10)
+    assert larger.usage() == (0, 4 * NBYTES)
+    none = close_after(CacheStore(None, 10 * NBYTES))
+    none.prepare(NBYTES)  # neither: nothing to do
+    assert none._prefault_thread is None
+    with pytest.raises(ValueError, match="request_blocks must be >= 0, got -1"):
+        none.prepare(NBYTES, request_blocks=-1)
 
 
 def test_prefault_arguments_are_checked(close_after: Closer) -> None:

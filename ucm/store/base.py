@@ -487,10 +487,11 @@ class UcmKVStoreBase(abc.ABC):
         only grow); empty by default. Cheap: no I/O."""
         return {}
 
-    def prepare(self, block_nbytes: int) -> None:  # noqa: B027 - optional hook
+    def prepare(self, block_nbytes: int, request_blocks: int = 0) -> None:  # noqa: B027 - optional hook
         """Get ready for blocks of ``block_nbytes`` bytes (the connector calls it once it knows its KV layout, before
-        the first load or dump; other sizes still work). Returns at once; work it starts runs in the background.
-        Stages that need nothing ignore it; stages over another stage pass it down."""
+        the first load or dump; other sizes still work), of which one request loads or dumps at most
+        ``request_blocks`` (``max_model_len`` tokens' worth; 0: unknown). Returns at once; work it starts runs in the
+        background. Stages that need nothing ignore it; stages over another stage pass it down."""
 
     def drop_cached(self) -> int:
         """Empty the tiers this pipeline holds in process memory (the ``Cache`` stage's DRAM); return the number of

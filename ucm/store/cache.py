@@ -4,10 +4,11 @@ Memory: cached blocks live in *slots*, 1-D CPU ``torch.uint8`` tensors of one bl
 are allocated as blocks arrive (lazily, up to the capacity) and reused once their block is evicted, so the cache's
 memory is touched (page-faulted) once and then only copied into: writing fresh memory is many times slower than
 writing memory already touched (figures: "Store bandwidth" in ``benchmarks/RESULTS.md``). Free slots are kept per
-block size; a block of another size gets room by dropping free slots of other sizes, then by evicting. With
-``prefault_bytes`` (config ``cache_prefault_gb``), :meth:`CacheStore.prepare` allocates and writes that many bytes of
-free slots of the connector's block size up front, on a background thread, so the first blocks cached after a start
-(a restart's storage hits) are copied into touched memory. The cache holds at most ``capacity_bytes`` bytes of slots:
+block size; a block of another size gets room by dropping free slots of other sizes, then by evicting. At start,
+:meth:`CacheStore.prepare` allocates and writes free slots of the connector's block size up front, on a background
+thread: ``prefault_bytes`` of them (config ``cache_prefault_gb``), and at least one request's blocks (``max_model_len``
+tokens), so the first blocks cached after a start (the first request's dump, a restart's storage hits) are copied
+into touched memory. The cache holds at most ``capacity_bytes`` bytes of slots:
 cached blocks, free slots and slots being filled all count (Python object overhead is not counted);
 :attr:`CacheStore.used_bytes` counts the cached blocks alone.
 
@@ -129,8 +130,8 @@ class CacheStore(UcmKVStoreBase):
         inner: the stage below (e.g. a :class:`~ucm.store.posix.PosixStore`), or ``None`` for a DRAM-only
             store. The cache owns it: :meth:`close` closes it.
         capacity_bytes: the most bytes of slots (cached blocks, free and in-flight slots) the cache holds (> 0).
-        prefault_bytes: bytes of free slots :meth:`prepare` allocates and writes up front (0: none; at most
-            ``capacity_bytes``).
+        prefault_bytes: bytes of free slots :meth:`prepare` allocates and writes up front (0: only the one request's
+            blocks :meth:`prepare` is told of; at most ``capacity_bytes``).
 
     Raises:
         ValueError: ``capacity_bytes`` <= 0, or ``prefault_bytes`` outside ``[0, capacity_bytes]``.
@@ -411,31 +412,37 @@ class CacheStore(UcmKVStoreBase):
             self._finish_sharded_safely(len(keys), reads, result)
         return Task(result, progress)
 
-    def prepare(self, block_nbytes: int) -> None:
-        """Pass ``block_nbytes`` down, and with ``prefault_bytes`` start filling the free slots of that size in the
-        background (once per store; see the module doc). The thread runs at the lowest CPU priority (nice 19) where
-        the platform allows, stops at :meth:`close`, and logs ``Cache stage: prefaulted N slots ...`` when done.
+    def prepare(self, block_nbytes: int, request_blocks: int = 0) -> None:
+        """Pass both down, and start filling free slots of ``block_nbytes`` in the background (once per store; see
+        the module doc): ``prefault_bytes`` of them, and at least ``request_blocks`` (one request's blocks, within
+        the capacity), so that the first request after a start, a cold one's dump or a hit's promotion, copies into
+        memory already paged in. The thread runs at the lowest CPU priority (nice 19) where the platform allows,
+        stops at :meth:`close`, and logs ``Cache stage: prefaulted N slots ...`` when done.
 
         Raises:
-            ValueError: ``block_nbytes`` < 1.
+            ValueError: ``block_nbytes`` < 1 or ``request_blocks`` < 0.
         """
         if block_nbytes < 1:
             raise ValueError(f"block_nbytes must be >= 1, got {block_nbytes}")
+        if request_blocks < 0:
+            raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
         if self._inner is not None:
-            self._inner.prepare(block_nbytes)
+            self._inner.prepare(block_nbytes, request_blocks)
+        target = max(self._prefault_bytes, min(request_blocks, self._capacity // block_nbytes) * block_nbytes)
         with self._lock:
-            if self._closed or self._prefault_bytes < block_nbytes or self._prefault_thread is not None:
+            if self._closed or target < block_nbytes or self._prefault_thread is not None:
                 return
-            self._prefault_thread = daemon_thread(functools.partial(self._prefault, block_nbytes), "ucm-cache-prefault")
+            prefault = functools.partial(self._prefault, block_nbytes, target)
+            self._prefault_thread = daemon_thread(prefault, "ucm-cache-prefault")
             self._prefault_thread.start()  # under the lock: close() never sees a thread it cannot join
 
-    def _prefault(self, nbytes: int) -> None:
-        """Allocate, write and free ``prefault_bytes // nbytes`` slots of ``nbytes`` (fewer when the cache fills)."""
+    def _prefault(self, nbytes: int, target: int) -> None:
+        """Allocate, write and free ``target // nbytes`` slots of ``nbytes`` (fewer when the cache fills)."""
         with contextlib.suppress(OSError, AttributeError):  # per-thread nice: Linux; elsewhere full priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         t0 = time.perf_counter()
         count = 0
-        while (count + 1) * nbytes <= self._prefault_bytes:
+        while (count + 1) * nbytes <= target:
             with self._lock:
                 if self._closed or self._slot_bytes + nbytes > self._capacity:
                     break

@@ -223,9 +223,9 @@ class CompressStore(UcmKVStoreBase):
         """The stage below's (this stage's ratio is counted from its observations)."""
         return self._inner.gauges()
 
-    def prepare(self, block_nbytes: int) -> None:
+    def prepare(self, block_nbytes: int, request_blocks: int = 0) -> None:
         """Pass the block size down (this stage's buffers are per stored block, sized as they come)."""
-        self._inner.prepare(block_nbytes)
+        self._inner.prepare(block_nbytes, request_blocks)
 
     def drop_cached(self) -> int:
         """Passed down: this stage keeps no blocks in memory."""

@@ -235,7 +235,8 @@ class UCMWorker:
             dump_buffer.view(torch.uint8).zero_()
             self._dump_pool.give(dump_buffer)
         t2 = time.perf_counter()
-        self._store.prepare(self._spec.block_nbytes)  # e.g. the Cache stage's cache_prefault_gb
+        # e.g. the Cache stage pages in DRAM slots for one request's blocks (or cache_prefault_gb) in the background
+        self._store.prepare(self._spec.block_nbytes, self._load_buffer_blocks)
         logger.info(
             "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block, %s transfer (kernels ready "
             "in %.0f ms; load buffer of %d blocks, %.0f MiB, and dump buffer of %d blocks, %.0f MiB, paged in in "
