@@ -69,7 +69,7 @@ class UcmPipelineStoreConfig(_Strict):
         description="Cache stage: GiB of DRAM slots allocated and written once at start, in a background thread, "
         "so that the first blocks cached after a start (a restart's storage hits) do not pay first-touch page "
         "faults; at most cache_buffer_capacity_gb. One request's blocks (max_model_len tokens) are prefaulted "
-        "whatever this is (0 = no more than those; later slots are allocated when first needed).",
+        "whatever this is, and kept ready (replaced in the background as they are taken); 0 = no more than those.",
     )
     io_direct: bool = Field(
         False,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -589,33 +590,70 @@ def test_prefault_stays_within_capacity_and_stops_at_close(close_after: Closer) 
     assert closed._prefault_thread is None and closed.slot_bytes == 0
 
 
-def test_prefault_covers_one_request_without_prefault_bytes(close_after: Closer) -> None:
-    """``request_blocks`` alone pages in that many slots (within the capacity); ``prefault_bytes`` wins when larger."""
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_prefault_keeps_one_request_of_written_slots_ready(close_after: Closer) -> None:
+    """``request_blocks`` alone pages in that many slots (within the capacity), and the prefault thread replaces
+    each one taken while the cache has room for new slots; ``prefault_bytes`` wins when larger."""
     inner = PreparedStore()
     cache = close_after(CacheStore(inner, 10 * NBYTES, prefault_bytes=0))
     cache.prepare(NBYTES, request_blocks=3)
     assert inner.prepared == [(NBYTES, 3)]
-    assert cache._prefault_thread is not None
-    cache._prefault_thread.join(timeout=10)
-    assert len(free_ptrs(cache, NBYTES)) == 3 and cache.usage() == (0, 3 * NBYTES)
-    # The first dump after start fills those slots, not fresh ones.
+    wait_until(lambda: len(free_ptrs(cache, NBYTES)) == 3)
+    assert cache.usage() == (0, 3 * NBYTES)
+    # The first dump after start fills those slots, not fresh ones; then 3 written slots are ready again.
     prefaulted = free_ptrs(cache, NBYTES)
-    keys = make_keys(3, seed=94)
-    assert cache.wait(cache.dump(keys, make_blocks(3, NBYTES, seed=95))).ok
-    assert slot_ptrs(cache) == prefaulted and cache.usage() == (3 * NBYTES, 3 * NBYTES)
+    keys = make_keys(8, seed=94)
+    src = make_blocks(8, NBYTES, seed=95)
+    assert cache.wait(cache.dump(keys[:3], src[:3])).ok
+    assert slot_ptrs(cache) == prefaulted
+    wait_until(lambda: len(free_ptrs(cache, NBYTES)) == 3)
+    assert cache.usage() == (3 * NBYTES, 6 * NBYTES)
+    assert all(not bool(slot.any()) for slot in cache._free[NBYTES])  # written: every page touched
+    # Near the capacity, the reserve is refilled only with the room left; eviction reuses slots past it.
+    assert cache.wait(cache.dump(keys[3:8], src[3:8])).ok
+    wait_until(lambda: cache.slot_bytes == 10 * NBYTES)
+    assert cache.usage() == (8 * NBYTES, 10 * NBYTES) and len(free_ptrs(cache, NBYTES)) == 2
+    dst = poisoned(8, NBYTES)
+    assert cache.wait(cache.load(keys, dst)).ok and torch.equal(dst, src)
+    thread = cache._prefault_thread
+    assert thread is not None and thread.is_alive()  # waiting for a slot to be taken
+    cache.close()
+    assert not thread.is_alive()  # close wakes it and joins it
     capped = close_after(CacheStore(None, 2 * NBYTES + 7))
     capped.prepare(NBYTES, request_blocks=5)
-    capped._prefault_thread.join(timeout=10)
-    assert capped.usage() == (0, 2 * NBYTES)  # a request larger than the cache: as many as fit
+    wait_until(lambda: capped.slot_bytes == 2 * NBYTES)  # a request larger than the cache: as many as fit
+    assert capped.usage() == (0, 2 * NBYTES)
     larger = close_after(CacheStore(None, 10 * NBYTES, prefault_bytes=4 * NBYTES))
     larger.prepare(NBYTES, request_blocks=2)
-    larger._prefault_thread.join(timeout=10)
+    wait_until(lambda: len(free_ptrs(larger, NBYTES)) == 4)
     assert larger.usage() == (0, 4 * NBYTES)
     none = close_after(CacheStore(None, 10 * NBYTES))
     none.prepare(NBYTES)  # neither: nothing to do
     assert none._prefault_thread is None
     with pytest.raises(ValueError, match="request_blocks must be >= 0, got -1"):
         none.prepare(NBYTES, request_blocks=-1)
+
+
+def test_prefault_thread_does_not_keep_a_dropped_store_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store dropped without close() is collected and its prefault thread ends (it holds the store weakly)."""
+    monkeypatch.setattr(cache_module, "_REFILL_POLL_S", 0.01)
+    cache = CacheStore(None, 10 * NBYTES)
+    cache.prepare(NBYTES, request_blocks=2)
+    deadline = time.monotonic() + 10
+    while len(free_ptrs(cache, NBYTES)) < 2:  # no lambda: a closure would keep the store alive
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    thread = cache._prefault_thread
+    assert thread is not None and thread.is_alive()
+    del cache
+    thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 def test_prefault_arguments_are_checked(close_after: Closer) -> None:
@@ -635,12 +673,12 @@ def test_prepare_reaches_every_stage_of_a_pipeline(
     from ucm.config import UcmPipelineStoreConfig
     from ucm.store.pipeline import build_store
 
-    seen: list[int] = []
-    monkeypatch.setattr(PosixStore, "prepare", lambda self, block_nbytes: seen.append(block_nbytes), raising=False)
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(PosixStore, "prepare", lambda self, *args: seen.append(args), raising=False)
     for pipeline in ("Cache|Posix", "Cache|Compress|Posix"):
         store = close_after(
             build_store(UcmPipelineStoreConfig(store_pipeline=pipeline, storage_backends=str(tmp_path)))
         )
-        store.prepare(3 * NBYTES)
+        store.prepare(3 * NBYTES, 2)
         store.close()
-    assert seen == [3 * NBYTES, 3 * NBYTES]
+    assert seen == [(3 * NBYTES, 2), (3 * NBYTES, 2)]

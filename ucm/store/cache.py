@@ -8,9 +8,10 @@ block size; a block of another size gets room by dropping free slots of other si
 :meth:`CacheStore.prepare` allocates and writes free slots of the connector's block size up front, on a background
 thread: ``prefault_bytes`` of them (config ``cache_prefault_gb``), and at least one request's blocks (``max_model_len``
 tokens), so the first blocks cached after a start (the first request's dump, a restart's storage hits) are copied
-into touched memory. The cache holds at most ``capacity_bytes`` bytes of slots:
-cached blocks, free slots and slots being filled all count (Python object overhead is not counted);
-:attr:`CacheStore.used_bytes` counts the cached blocks alone.
+into touched memory. While the cache still has room for new slots, that thread then keeps one request's blocks of
+free written slots ready, replacing each slot taken, so the blocks cached later are copied into touched memory too.
+The cache holds at most ``capacity_bytes`` bytes of slots: cached blocks, free slots and slots being filled all count
+(Python object overhead is not counted); :attr:`CacheStore.used_bytes` counts the cached blocks alone.
 
 Eviction: least recently used first (``dump`` and ``load`` of a key make it most recent; ``lookup`` does not),
 and never a *pinned* block. A block is pinned while a load copies out of it and while its write-back to the
@@ -50,6 +51,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -78,6 +80,9 @@ from ucm.store.base import (
 from ucm.store.observe import Observation, Op, Recorder, current_requests
 
 logger = init_logger(__name__)
+
+# How often the prefault thread checks, between slots taken, whether its store was dropped without close() (s).
+_REFILL_POLL_S = 1.0
 
 
 def _copy_row(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -146,11 +151,13 @@ class CacheStore(UcmKVStoreBase):
         self._capacity = int(capacity_bytes)
         self._prefault_bytes = int(prefault_bytes)
         self._prefault_thread: threading.Thread | None = None
+        self._reserve = (0, 0)  # (block nbytes, count): free written slots the prefault thread keeps ready
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first, MRU last
         self._used = 0  # bytes of the cached blocks' slots
         self._slot_bytes = 0  # bytes of every slot allocated: cached, free, or being filled; <= capacity
         self._free: dict[int, list[torch.Tensor]] = {}  # block nbytes -> free slots of that size
         self._lock = threading.Lock()
+        self._slot_taken = threading.Condition(self._lock)  # wakes the prefault thread to refill the reserve
         # Bumped by drop_cached: a block read from below, or copied in by a dump, under an older generation is not
         # cached (it was in flight when the DRAM tier was emptied).
         self._generation = 0
@@ -416,8 +423,10 @@ class CacheStore(UcmKVStoreBase):
         """Pass both down, and start filling free slots of ``block_nbytes`` in the background (once per store; see
         the module doc): ``prefault_bytes`` of them, and at least ``request_blocks`` (one request's blocks, within
         the capacity), so that the first request after a start, a cold one's dump or a hit's promotion, copies into
-        memory already paged in. The thread runs at the lowest CPU priority (nice 19) where the platform allows,
-        stops at :meth:`close`, and logs ``Cache stage: prefaulted N slots ...`` when done.
+        memory already paged in. The thread logs ``Cache stage: prefaulted N slots ...`` once that is done, then
+        keeps ``request_blocks`` free written slots ready while the cache has room for new slots: a slot taken from
+        them is replaced in the background, so later requests' dumps do not write fresh pages either. It runs at
+        the lowest CPU priority (nice 19) where the platform allows and stops at :meth:`close`.
 
         Raises:
             ValueError: ``block_nbytes`` < 1 or ``request_blocks`` < 0.
@@ -428,29 +437,33 @@ class CacheStore(UcmKVStoreBase):
             raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
         if self._inner is not None:
             self._inner.prepare(block_nbytes, request_blocks)
-        target = max(self._prefault_bytes, min(request_blocks, self._capacity // block_nbytes) * block_nbytes)
+        reserve = min(request_blocks, self._capacity // block_nbytes)
+        target = max(self._prefault_bytes, reserve * block_nbytes)
         with self._lock:
             if self._closed or target < block_nbytes or self._prefault_thread is not None:
                 return
-            prefault = functools.partial(self._prefault, block_nbytes, target)
+            self._reserve = (block_nbytes, reserve)
+            # The thread holds the store weakly: a store dropped without close() is still collected (its threads end).
+            prefault = functools.partial(CacheStore._prefault, weakref.ref(self), block_nbytes, target)
             self._prefault_thread = daemon_thread(prefault, "ucm-cache-prefault")
             self._prefault_thread.start()  # under the lock: close() never sees a thread it cannot join
 
-    def _prefault(self, nbytes: int, target: int) -> None:
-        """Allocate, write and free ``target // nbytes`` slots of ``nbytes`` (fewer when the cache fills)."""
+    @staticmethod
+    def _prefault(ref: weakref.ref[CacheStore], nbytes: int, target: int) -> None:
+        """The prefault thread of the store ``ref``: allocate, write and free ``target // nbytes`` slots of ``nbytes``
+        (fewer when the cache fills); then, until :meth:`close` (or the store is collected), refill the reserve (see
+        :meth:`prepare`) each time a slot is taken."""
         with contextlib.suppress(OSError, AttributeError):  # per-thread nice: Linux; elsewhere full priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         t0 = time.perf_counter()
         count = 0
-        while (count + 1) * nbytes <= target:
-            with self._lock:
-                if self._closed or self._slot_bytes + nbytes > self._capacity:
+        store = ref()
+        while store is not None and (count + 1) * nbytes <= target:
+            with store._lock:
+                if store._closed or store._slot_bytes + nbytes > store._capacity:
                     break
-                self._slot_bytes += nbytes  # counted while being written, like a slot being filled
-            slot = torch.empty(nbytes, dtype=torch.uint8)
-            slot.fill_(0)  # writes every page: the page faults happen here, not on a load's critical path
-            with self._lock:
-                self._release_slot(slot)
+                store._slot_bytes += nbytes  # counted while being written, like a slot being filled
+            store._add_written_slot(nbytes)
             count += 1
         logger.info(
             "Cache stage: prefaulted %d slots of %d bytes (%.2f GiB) in %.0f ms",
@@ -459,6 +472,36 @@ class CacheStore(UcmKVStoreBase):
             count * nbytes / 2**30,
             (time.perf_counter() - t0) * 1e3,
         )
+        reserve = store._reserve[1] if store is not None else 0
+        del store  # from here on, held only while refilling
+        while reserve:
+            store = ref()
+            if store is None:
+                return
+            with store._lock:
+                if store._closed:
+                    return
+                if not store._reserve_short(nbytes, reserve):
+                    slot_taken = store._slot_taken
+                    del store
+                    slot_taken.wait(_REFILL_POLL_S)  # woken by a slot taken, or to see whether the store is gone
+                    continue
+                store._slot_bytes += nbytes
+            store._add_written_slot(nbytes)
+            del store
+
+    def _reserve_short(self, nbytes: int, reserve: int) -> bool:
+        """Whether fewer than ``reserve`` free slots of ``nbytes`` are ready and a new one fits. Caller holds the
+        lock."""
+        return len(self._free.get(nbytes, ())) < reserve and self._slot_bytes + nbytes <= self._capacity
+
+    def _add_written_slot(self, nbytes: int) -> None:
+        """Allocate a slot of ``nbytes`` (already counted in ``_slot_bytes``), write every page of it and make it
+        free."""
+        slot = torch.empty(nbytes, dtype=torch.uint8)
+        slot.fill_(0)  # writes every page: the page faults happen here, not on a load's or dump's critical path
+        with self._lock:
+            self._release_slot(slot)
 
     def encoded_store(self) -> EncodedStore | None:
         """The stage below's encoded payloads, passed through uncached (see the module docstring); ``None`` without
@@ -550,6 +593,7 @@ class CacheStore(UcmKVStoreBase):
             if self._closed:
                 return
             self._closed = True
+            self._slot_taken.notify_all()
         self.flush()
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # stops after the slot it is writing
@@ -622,6 +666,8 @@ class CacheStore(UcmKVStoreBase):
             return None
         free = self._free.get(nbytes)
         if free:
+            if nbytes == self._reserve[0]:
+                self._slot_taken.notify()
             return free.pop()
         need = self._slot_bytes + nbytes - self._capacity
         if need > 0:
@@ -660,7 +706,9 @@ class CacheStore(UcmKVStoreBase):
                     return entry.data
                 self._slot_bytes -= entry.data.numel()
         self._slot_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8)  # untouched until filled: pages fault in once, on first use
+        # Untouched until filled: pages fault in once, on first use. (The reserve was empty: it is refilled with
+        # the room left.)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def _take_slots(self, nbytes: int, n: int, steal: bool) -> list[torch.Tensor | None]:
         """Slots of ``nbytes`` bytes for ``n`` blocks of one call, in order (see :meth:`_take_slot`).
