@@ -151,7 +151,7 @@ class CacheStore(UcmKVStoreBase):
         self._capacity = int(capacity_bytes)
         self._prefault_bytes = int(prefault_bytes)
         self._prefault_thread: threading.Thread | None = None
-        self._reserve = (0, 0)  # (block nbytes, count): free written slots the prefault thread keeps ready
+        self._reserve_nbytes = 0  # block size of the free written slots the prefault thread keeps ready (0: none)
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first, MRU last
         self._used = 0  # bytes of the cached blocks' slots
         self._slot_bytes = 0  # bytes of every slot allocated: cached, free, or being filled; <= capacity
@@ -442,17 +442,17 @@ class CacheStore(UcmKVStoreBase):
         with self._lock:
             if self._closed or target < block_nbytes or self._prefault_thread is not None:
                 return
-            self._reserve = (block_nbytes, reserve)
+            self._reserve_nbytes = block_nbytes if reserve else 0
             # The thread holds the store weakly: a store dropped without close() is still collected (its threads end).
-            prefault = functools.partial(CacheStore._prefault, weakref.ref(self), block_nbytes, target)
+            prefault = functools.partial(CacheStore._prefault, weakref.ref(self), block_nbytes, target, reserve)
             self._prefault_thread = daemon_thread(prefault, "ucm-cache-prefault")
             self._prefault_thread.start()  # under the lock: close() never sees a thread it cannot join
 
     @staticmethod
-    def _prefault(ref: weakref.ref[CacheStore], nbytes: int, target: int) -> None:
+    def _prefault(ref: weakref.ref[CacheStore], nbytes: int, target: int, reserve: int) -> None:
         """The prefault thread of the store ``ref``: allocate, write and free ``target // nbytes`` slots of ``nbytes``
-        (fewer when the cache fills); then, until :meth:`close` (or the store is collected), refill the reserve (see
-        :meth:`prepare`) each time a slot is taken."""
+        (fewer when the cache fills); then, until :meth:`close` (or the store is collected), keep ``reserve`` of them
+        ready (see :meth:`prepare`), refilled each time a slot is taken."""
         with contextlib.suppress(OSError, AttributeError):  # per-thread nice: Linux; elsewhere full priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         t0 = time.perf_counter()
@@ -472,7 +472,6 @@ class CacheStore(UcmKVStoreBase):
             count * nbytes / 2**30,
             (time.perf_counter() - t0) * 1e3,
         )
-        reserve = store._reserve[1] if store is not None else 0
         del store  # from here on, held only while refilling
         while reserve:
             store = ref()
@@ -666,7 +665,7 @@ class CacheStore(UcmKVStoreBase):
             return None
         free = self._free.get(nbytes)
         if free:
-            if nbytes == self._reserve[0]:
+            if nbytes == self._reserve_nbytes:
                 self._slot_taken.notify()
             return free.pop()
         need = self._slot_bytes + nbytes - self._capacity
