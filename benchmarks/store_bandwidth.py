@@ -347,6 +347,11 @@ def rotated(phases: Sequence[T], rep: int) -> list[T]:
     return [*phases[k:], *phases[:k]]
 
 
+def sig3(x: float) -> float:
+    """``x`` rounded to 3 significant digits (a ratio of 0.0316 keeps its third digit, unlike ``round(x, 3)``)."""
+    return float(f"{x:.3g}")
+
+
 class Samples:
     """Per-figure samples (seconds) over the repeats of one block size."""
 
@@ -357,13 +362,13 @@ class Samples:
         self.seconds.setdefault(name, []).append(seconds)
 
     def gbps(self, nbytes: int) -> dict[str, float]:
-        return {name: round(nbytes / statistics.median(s) / GB, 3) for name, s in self.seconds.items()}
+        return {name: sig3(nbytes / statistics.median(s) / GB) for name, s in self.seconds.items()}
 
     def samples_gbps(self, nbytes: int) -> dict[str, list[float]]:
-        return {name: [round(nbytes / x / GB, 3) for x in s] for name, s in self.seconds.items()}
+        return {name: [sig3(nbytes / x / GB) for x in s] for name, s in self.seconds.items()}
 
     def last_gbps(self, nbytes: int) -> dict[str, float]:
-        return {name: round(nbytes / s[-1] / GB, 3) for name, s in self.seconds.items()}
+        return {name: sig3(nbytes / s[-1] / GB) for name, s in self.seconds.items()}
 
 
 class BlockBench:
@@ -421,8 +426,8 @@ class BlockBench:
             paired = paired_ratios(self.stores[name].seconds, self.raw.seconds)
             stores[name] = {
                 "gbps": figures,
-                "ratios": {key: round(statistics.median(rs), 3) for key, rs in paired.items()},
-                "ratio_samples": {key: [round(r, 3) for r in rs] for key, rs in paired.items()},
+                "ratios": {key: sig3(statistics.median(rs)) for key, rs in paired.items()},
+                "ratio_samples": {key: [sig3(r) for r in rs] for key, rs in paired.items()},
                 "ratios_of_medians": ratios(figures, raw_gbps),
                 "failed_keys": self.failed_keys[name],
                 "samples_gbps": self.stores[name].samples_gbps(self.nbytes),
@@ -573,7 +578,7 @@ def ratios(figures: dict[str, float], raw: dict[str, float]) -> dict[str, float]
     for fig, bases in RATIO_BASES.items():
         for base in bases:
             if fig in figures and raw.get(base):
-                out[f"{fig}/{base}"] = round(figures[fig] / raw[base], 3)
+                out[f"{fig}/{base}"] = sig3(figures[fig] / raw[base])
     return out
 
 
