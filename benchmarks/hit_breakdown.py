@@ -4,7 +4,8 @@ Run::
 
     .venv/bin/python benchmarks/hit_breakdown.py [--prompt-tokens 2000] [--repeats 8] [--out breakdown.json]
 
-Two engine processes run one after the other on SmolLM2-135M-Instruct (or ``--model``), each the real vLLM engine
+Two engine processes run one after the other on SmolLM2-135M-Instruct (or ``--model``), ``--rounds`` times (2 by
+default) in alternating order, each round UCM's on a fresh store; each process the real vLLM engine
 (CPU build) with the engine core and the model worker in the process that runs the requests
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's one-process ``uni`` executor), so that every phase can be timed in
 one thread:
@@ -37,12 +38,12 @@ observations (they overlap ``ucm_load``, so they are not added). Per condition: 
 ``ucm_ms``: the sum of the ``ucm_*`` phases; ``beside_forward_ms``: TTFT minus ``forward``.
 ``extra_over_inmemory_ms``: each hit's phase medians minus the in-memory hit's; ``cold_extra_ms``: UCM's cold
 phases minus those without UCM. Ratios: ``dram_over_inmemory``, ``storage_over_inmemory``, ``cold_overhead``
-(``cold`` with over without UCM) and ``cold_first_overhead`` (one request each: noisy). The two engines are two
-processes, run one after the other: the same forward pass may differ between them by more than UCM's share (a
-shared machine), so two ratios hold that out: ``*_over_inmemory_same_forward`` (the hit's TTFT with its forward
-pass as long as the in-memory hit's: its ``beside_forward_ms`` plus the in-memory hit's ``forward``, over the
-in-memory hit's TTFT) and ``cold_ucm_share`` / ``cold_first_ucm_share`` (UCM's phases of a cold request over the
-TTFT of the same cold request without UCM).
+(``cold`` with over without UCM) and ``cold_first_overhead`` (one request per round: noisy). The two engines are two
+processes, run one after the other (alternating which goes first, round by round): the same forward pass may differ
+between them by more than UCM's share (a shared machine), so two ratios hold that out:
+``*_over_inmemory_same_forward`` (the hit's TTFT with its forward pass as long as the in-memory hit's: its
+``beside_forward_ms`` plus the in-memory hit's ``forward``, over the in-memory hit's TTFT) and ``cold_ucm_share`` /
+``cold_first_ucm_share`` (UCM's phases of a cold request over the TTFT of the same cold request without UCM).
 
 Exit status 1 (``problems`` lists them) when a request was not what its condition says (UCM's load observations
 show a DRAM hit reading storage, a storage hit not reading it, or a cold prompt loading anything).
@@ -217,6 +218,13 @@ def prompts(model: Path, tokens: int, count: int) -> list[list[int]]:
     return [ids[i * tokens : (i + 1) * tokens] for i in range(count)]
 
 
+def engine_orders(rounds: int) -> list[tuple[str, str]]:
+    """The order of the two engines in each of ``rounds`` rounds: without UCM first in even rounds, with UCM first
+    in odd ones, so that neither always runs second (on these machines the later of two processes has run faster
+    or slower by more than UCM's share)."""
+    return [("without", "with") if r % 2 == 0 else ("with", "without") for r in range(rounds)]
+
+
 def run_child(spec: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
     from ucm.testing.engine import engine_env
 
@@ -315,14 +323,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model directory; None: SmolLM2 in --models-dir")
     p.add_argument("--models-dir", default="models")
     p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=8, help="requests per condition (cold_first: one)")
+    p.add_argument("--repeats", type=int, default=8, help="requests per condition and round (cold_first: one)")
+    p.add_argument("--rounds", type=int, default=2, help="engine pairs, in alternating order (see engine_orders)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per engine process")
     p.add_argument("--out", default=None, help="also write the JSON summary here")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.prompt_tokens < 1:
-        p.error(f"--repeats {args.repeats} / --prompt-tokens {args.prompt_tokens}: at least 1")
+    if min(args.repeats, args.prompt_tokens, args.rounds) < 1:
+        p.error(f"--repeats {args.repeats} / --prompt-tokens {args.prompt_tokens} / --rounds {args.rounds}: at least 1")
     if args.prompt_tokens >= args.max_model_len:
         p.error(f"--prompt-tokens {args.prompt_tokens} must be below --max-model-len {args.max_model_len}")
     return args
@@ -338,26 +347,28 @@ def main(argv: list[str] | None = None) -> int:
     first, *others = prompts(model, args.prompt_tokens, 1 + args.repeats)
     cold = [{"condition": "cold_first", "ids": first}] + [{"condition": "cold", "ids": ids} for ids in others]
     common = {"model": str(model), "dtype": args.dtype, "max_model_len": args.max_model_len}
-    with tempfile.TemporaryDirectory(prefix="ucm-breakdown-") as tmp:
-        store = Path(tmp) / "kv"
-        connector = ucm_transfer_config(
-            {
-                "ucm_connectors": [
-                    {"ucm_connector_config": {"store_pipeline": "Cache|Posix", "storage_backends": str(store)}}
-                ]
-            }
-        )
-        without = run_child(
-            {**common, "connector": None, "store": None,
-             "requests": cold + [{"condition": "inmemory_hit", "ids": first}] * args.repeats},
-            args.timeout_s,
-        )  # fmt: skip
-        with_ucm = run_child(
-            {**common, "connector": connector, "store": str(store),
-             "requests": cold + [{"condition": "dram_hit", "ids": first}] * args.repeats
-             + [{"condition": "storage_hit", "ids": first, "storage": True}] * args.repeats},
-            args.timeout_s,
-        )  # fmt: skip
+    without: list[dict[str, Any]] = []
+    with_ucm: list[dict[str, Any]] = []
+    for r, order in enumerate(engine_orders(args.rounds)):
+        with tempfile.TemporaryDirectory(prefix="ucm-breakdown-") as tmp:  # each round: a fresh store
+            store = Path(tmp) / "kv"
+            connector = ucm_transfer_config(
+                {
+                    "ucm_connectors": [
+                        {"ucm_connector_config": {"store_pipeline": "Cache|Posix", "storage_backends": str(store)}}
+                    ]
+                }
+            )
+            specs = {
+                "without": {**common, "connector": None, "store": None,
+                            "requests": cold + [{"condition": "inmemory_hit", "ids": first}] * args.repeats},
+                "with": {**common, "connector": connector, "store": str(store),
+                         "requests": cold + [{"condition": "dram_hit", "ids": first}] * args.repeats
+                         + [{"condition": "storage_hit", "ids": first, "storage": True}] * args.repeats},
+            }  # fmt: skip
+            for engine in order:
+                records = [{**rec, "round": r} for rec in run_child(specs[engine], args.timeout_s)]
+                (without if engine == "without" else with_ucm).extend(records)
     result = summarize(without, with_ucm)
     result["problems"] = check_hits(with_ucm)
     print_table(result)

@@ -43,13 +43,18 @@ def test_phases_are_exclusive(bench: ModuleType) -> None:
     assert timer.ms["a"] + timer.ms["b"] == pytest.approx(wall_ms, abs=2)  # a without b (else over by >= 30 ms)
 
 
+def test_engines_alternate_which_runs_first(bench: ModuleType) -> None:
+    orders = bench.engine_orders(3)
+    assert orders == [("without", "with"), ("with", "without"), ("without", "with")]
+
+
 @pytest.mark.engine
 def test_breakdown_on_the_tiny_model(tmp_path: Path) -> None:
     model = ensure_tiny_llama(Path("models"))
     out = tmp_path / "breakdown.json"
     cmd = [
         sys.executable, str(BENCHMARKS / "hit_breakdown.py"), "--model", str(model), "--prompt-tokens", "300",
-        "--repeats", "2", "--max-model-len", "512", "--dtype", "float32", "--out", str(out),
+        "--repeats", "2", "--rounds", "1", "--max-model-len", "512", "--dtype", "float32", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -124,7 +124,9 @@ def test_phase_order_rotates_and_ratios_are_paired(tmp_path: Path) -> None:
         for store_gbps, raw_gbps, ratio in zip(
             s["samples_gbps"][fig], r["raw_samples_gbps"][base], samples, strict=True
         ):
-            assert ratio == pytest.approx(store_gbps / raw_gbps, rel=0.02)  # all three are rounded to 3 significant digits
+            assert ratio == pytest.approx(
+                store_gbps / raw_gbps, rel=0.02
+            )  # all three are rounded to 3 significant digits
         assert s["ratios"][key] == pytest.approx(statistics.median(samples), abs=0.002)
         assert s["ratios_of_medians"][key] == pytest.approx(s["gbps"][fig] / r["raw_gbps"][base], rel=0.02)
     below = [

@@ -149,3 +149,51 @@ def test_a_load_larger_than_the_buffer_runs_in_rounds(tmp_path: Path) -> None:
         assert bool(reader_caches[name][target[5]].isnan().all())
     assert reader._load_buffer is not None and reader._load_buffer.shape[0] == 2  # reused, not grown
     reader.shutdown()
+
+
+def test_dram_hits_are_scattered_from_their_slots(tmp_path: Path) -> None:
+    """A load mixing DRAM hits, storage hits and a damaged block: the DRAM hits are lent by the Cache stage and
+    scattered from their slots (the load buffer holds only the blocks read from storage), the damaged block fails
+    alone, every other block matches the KV it was gathered from, and no slot stays pinned afterwards."""
+    store = CacheStore(PosixStore(str(tmp_path / "kv")), capacity_bytes=1 << 24)
+    caches = paged_caches(SPEC, NUM_BLOCKS, seed=7)
+    writer = UCMWorker(SPEC, store, lambda _c: KVLayout.CPU_ATTN, load_buffer_blocks=8)
+    writer.register_kv_caches(caches)
+    keys = [bytes([i + 1]) * 16 for i in range(6)]
+    source = [4, 11, 2, 25, 17, 8]
+    writer.wait_for_save(UCMConnectorMetadata(dumps=[BlockTransfer("w", keys, source)]))
+    writer.shutdown()
+    store.flush()
+    store.drop_cached()  # every block in storage only; then keys 0, 2, 4 back into DRAM by a load
+    scratch = torch.empty((3, BLOCK_NBYTES), dtype=torch.uint8)
+    assert store.load([keys[0], keys[2], keys[4]], scratch).result().ok
+    path = Path(block_file_path([str(tmp_path / "kv")], keys[3]))  # a storage-only block is damaged
+    data = bytearray(path.read_bytes())
+    data[HEADER_NBYTES + 5] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    reader_caches = paged_caches(SPEC, NUM_BLOCKS, seed=None)  # NaN: a block not loaded shows
+    reader = UCMWorker(SPEC, store, lambda _c: KVLayout.CPU_ATTN, load_buffer_blocks=8)
+    reader.register_kv_caches(reader_caches)  # its load buffer starts zeroed
+    target = [30, 1, 12, 5, 22, 9]
+    reader.start_load_kv(UCMConnectorMetadata(loads=[BlockTransfer("r", keys, target)]))
+    assert reader.get_block_ids_with_load_errors() == {target[3]}
+    good = [0, 1, 2, 4, 5]
+    for name in LAYERS:
+        assert torch.equal(reader_caches[name][[target[i] for i in good]], caches[name][[source[i] for i in good]])
+        assert bool(reader_caches[name][target[3]].isnan().all())
+    buffer = reader._load_buffer
+    assert buffer is not None
+    # The storage reads (keys 1, 3, 5) took the buffer's first three rows; the three DRAM hits none.
+    assert bool((buffer[3:].view(torch.uint8) == 0).all())
+    assert torch.equal(buffer[0].view(torch.uint8).flatten(), store_block(store, keys[1]))
+    assert all(entry.pins == 0 for entry in store._entries.values())
+    reader.shutdown()
+    store.close()
+
+
+def store_block(store: CacheStore, key: bytes) -> torch.Tensor:
+    """Key ``key``'s block as the store loads it (uint8 ``[BLOCK_NBYTES]``)."""
+    out = torch.empty((1, BLOCK_NBYTES), dtype=torch.uint8)
+    assert store.load([key], out).result().ok
+    return out[0]

@@ -130,3 +130,15 @@ def random_caches(
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype and the same bits (NaN payloads and the sign of zero included)."""
     return a.dtype == b.dtype and torch.equal(int_view(a), int_view(b))
+
+
+def separate_blocks(blocks: torch.Tensor) -> list[torch.Tensor]:
+    """Each canonical block of ``blocks`` ``[n, num_layers, *shard]`` copied into its own byte allocation (as the
+    DRAM tier's slots hold them: 1-D uint8, viewed as the KV dtype), allocated last block first so that no two
+    neighbours sit one row apart."""
+    out = []
+    for b in reversed(blocks):
+        slot = torch.empty(b.numel() * b.element_size(), dtype=torch.uint8, device=b.device)
+        out.append(slot.view(b.dtype).view(b.shape))
+        out[-1].view(torch.uint8).copy_(b.contiguous().view(torch.uint8))
+    return out[::-1]

@@ -26,6 +26,7 @@ from tests.kernels.kv_data import (
     bits_equal,
     poisoned,
     random_kv,
+    separate_blocks,
 )
 from tests.kernels.sm90 import compile_for_sm90
 from ucm.kernels import (
@@ -105,6 +106,10 @@ def check_all_ops(caches: list[torch.Tensor], layout: KVLayout, impl: str) -> No
     scatter_layers(layers, dst, ids, layout, impl=impl)  # type: ignore[arg-type]
     assert all(bits_equal(a.cpu(), b) for a, b in zip(dst, want, strict=True))
 
+    dst = poisoned_like(caches)
+    scatter_blocks(separate_blocks(blocks), dst, ids, layout, impl=impl)  # type: ignore[arg-type]
+    assert all(bits_equal(a.cpu(), b) for a, b in zip(dst, want, strict=True))
+
     one = poisoned_like(caches[:1])
     scatter_layers(layers[1:2], one, ids, layout, impl=impl)  # type: ignore[arg-type]
     scatter_layers_reference(layers[1:2].cpu(), want[:1], ids.cpu(), layout)
@@ -165,11 +170,16 @@ def test_cpu_path_split_over_threads(layout: KVLayout, dtype: torch.dtype, monke
     assert bits_equal(gather_layers(caches, ids, layout, impl="cpu"), gather_layers_reference(caches, ids, layout))
     want = [poisoned(tuple(c.shape), dtype) for c in caches]
     scatter_blocks_reference(ref, want, ids, layout)
-    for fn, staging in ((scatter_blocks, blocks), (scatter_layers, blocks.transpose(0, 1))):
+    stagings = (
+        (scatter_blocks, blocks),
+        (scatter_layers, blocks.transpose(0, 1)),
+        (scatter_blocks, separate_blocks(blocks)),
+    )
+    for fn, staging in stagings:
         dst = poisoned_like(caches)
         fn(staging, dst, ids, layout, impl="cpu")  # type: ignore[operator]
         assert all(bits_equal(a, b) for a, b in zip(dst, want, strict=True))
-    assert pools == [2, 2, 2, 2], pools  # every op: the calling thread and 2 pool threads
+    assert pools == [2, 2, 2, 2, 2], pools  # every op: the calling thread and 2 pool threads
 
 
 @pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=[lay.value for lay in ALL_LAYOUTS])
@@ -194,6 +204,26 @@ def test_layer_tensors_in_any_address_order() -> None:
     ref = gather_blocks_reference(caches, ids, KVLayout.FLASH_NHD)
     for impl in CPU_IMPLS:
         assert bits_equal(gather_blocks(caches, ids, KVLayout.FLASH_NHD, impl=impl), ref)  # type: ignore[arg-type]
+
+
+def test_separate_blocks_are_checked_before_anything_is_written() -> None:
+    """A list of blocks with a wrong count, shape, dtype or a non-contiguous block: a ValueError naming it, and the
+    paged KV unchanged."""
+    caches = make_caches(KVLayout.CPU_ATTN, torch.bfloat16, (16, 2, 64), seed=3)
+    ids = torch.tensor(IDS)
+    blocks = separate_blocks(gather_blocks(caches, ids, KVLayout.CPU_ATTN))
+    before = [c.clone() for c in caches]
+    bad = [
+        (blocks[:3], r"3 blocks for 4 block ids"),
+        ([*blocks[:3], blocks[3][:2]], r"blocks\[3\] must be a contiguous \(3, 2, 16, 2, 64\) torch.bfloat16 on cpu"),
+        ([*blocks[:3], blocks[3].float()], r"blocks\[3\] must be .* got \(3, 2, 16, 2, 64\) torch.float32"),
+        ([blocks[0].transpose(2, 3).contiguous().transpose(2, 3), *blocks[1:]], r"blocks\[0\] .*\(not contiguous\)"),
+    ]
+    for staging, match in bad:
+        for impl in ("cpu", "torch"):
+            with pytest.raises(ValueError, match=match):
+                scatter_blocks(staging, caches, ids, KVLayout.CPU_ATTN, impl=impl)  # type: ignore[arg-type]
+    assert all(bits_equal(a, b) for a, b in zip(caches, before, strict=True))
 
 
 def test_bad_impl_and_mla_heads() -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.kernels.kv_data import bits_equal, poisoned, random_kv
+from tests.kernels.kv_data import bits_equal, poisoned, random_kv, separate_blocks
 from ucm.kernels import (
     KVLayout,
     gather_blocks,
@@ -160,7 +160,7 @@ def check_all_ops(caches: list[torch.Tensor], impl: str, ids_list: list[int] = I
 
     want = [poisoned(tuple(c.shape), c.dtype) for c in caches]
     scatter_blocks_reference(ref, want, ids, AMX)
-    for fn, src in ((scatter_blocks, ref), (scatter_layers, layers)):
+    for fn, src in ((scatter_blocks, ref), (scatter_layers, layers), (scatter_blocks, separate_blocks(ref))):
         dst = [poisoned(tuple(c.shape), c.dtype) for c in caches]
         fn(src, dst, ids, AMX, impl=impl)  # type: ignore[operator]
         assert all(bits_equal(a, b) for a, b in zip(dst, want, strict=True))

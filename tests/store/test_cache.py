@@ -17,6 +17,7 @@ from tests.store.blocks import make_blocks, make_keys, poisoned
 from tests.store.helpers import Closer, DictStore
 from ucm.store.base import Task, TaskResult, check_keys_and_buffer
 from ucm.store.cache import CacheStore
+from ucm.store.observe import Observation, Recorder
 from ucm.store.posix import PosixStore
 
 NBYTES = 100  # block size in these tests; capacities below are multiples of it plus slack
@@ -100,6 +101,53 @@ def test_pinned_blocks_are_not_evicted(close_after: Closer) -> None:
     assert torch.equal(dst, src)
     cache.close()
     assert inner.closed
+
+
+def test_lent_blocks_are_the_cached_bytes_and_stay_until_released(close_after: Closer) -> None:
+    """``lend``: DRAM hits lent as the slots themselves (misses and other sizes not lent), recorded as DRAM load
+    hits, made most recently used, never evicted nor reused while lent (not even after ``drop_cached``), evictable
+    once released."""
+    cache = close_after(CacheStore(None, 3 * NBYTES + 50))
+    keys = make_keys(5, seed=41)
+    src = make_blocks(5, NBYTES, seed=42)
+    assert cache.wait(cache.dump(keys[:3], src[:3])).ok
+    seen: list[Observation] = []
+    recorder = Recorder()
+    recorder.add_sink(seen.append)
+    cache.set_recorder(recorder)
+    lease = cache.lend([keys[3], keys[0], keys[1]], NBYTES)
+    assert lease.rows[0] is None and lease.lent == 2
+    assert torch.equal(lease.rows[1], src[0]) and torch.equal(lease.rows[2], src[1])
+    assert [(o.op, o.tier, o.blocks, o.ok, o.nbytes) for o in seen] == [("load", "dram", 2, 2, 2 * NBYTES)]
+    assert cache.cached_keys() == [keys[2], keys[0], keys[1]]  # lent: most recently used
+    assert cache.lend(keys[:1], NBYTES + 1).lent == 0  # cached at another size: not lent
+    # Full: each new block evicts the one block not lent, never key 0 or 1, though least recently used.
+    assert cache.wait(cache.dump(keys[3:4], src[3:4])).ok
+    assert cache.cached_keys() == [keys[0], keys[1], keys[3]]
+    assert cache.wait(cache.dump(keys[4:5], src[4:5])).ok
+    assert cache.cached_keys() == [keys[0], keys[1], keys[4]]
+    # Emptied while lent: the lent slots are not handed to the next blocks, and keep their bytes.
+    slots = [lease.rows[1], lease.rows[2]]
+    cache.drop_cached()
+    assert cache.wait(cache.dump(keys[2:5], make_blocks(3, NBYTES, seed=43))).ok
+    assert torch.equal(slots[0], src[0]) and torch.equal(slots[1], src[1])
+    lease.release()
+    lease.release()  # idempotent
+    assert cache.wait(cache.dump(keys[:2], src[:2])).ok  # room made by evicting
+    with cache.lend(keys[:2], NBYTES) as again:
+        assert again.lent == 2
+    with pytest.raises(ValueError, match="block_nbytes must be >= 1, got 0"):
+        cache.lend(keys[:1], 0)
+    with pytest.raises(ValueError):
+        cache.lend([b"short"], NBYTES)
+
+
+def test_stages_without_a_dram_tier_lend_nothing(tmp_path: Path, close_after: Closer) -> None:
+    store = close_after(PosixStore(str(tmp_path / "kv")))
+    keys = make_keys(2, seed=44)
+    assert store.wait(store.dump(keys, make_blocks(2, NBYTES, seed=45))).ok
+    with store.lend(keys, NBYTES) as lease:
+        assert lease.rows == [None, None] and lease.lent == 0
 
 
 def test_write_back_reaches_posix(tmp_path: Path, close_after: Closer) -> None:

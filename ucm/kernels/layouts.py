@@ -303,6 +303,40 @@ def check_staging(
     return ids.to(ref.device), shape
 
 
+def check_block_list(
+    blocks: Sequence[torch.Tensor],
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVLayout,
+    block_ids: torch.Tensor,
+    name: str,
+) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """Validate a scatter of separate canonical ``blocks`` (each ``[num_layers, *shard]``, contiguous, in the caches'
+    dtype and device; ``len(blocks) == block_ids.numel()``) into blocks ``block_ids`` of ``kv_caches``; return the
+    ids (int64, on the caches' device) and the paged shape (``name`` names the blocks in messages).
+
+    Raises:
+        TypeError: ``block_ids`` is not an int32/int64 tensor.
+        ValueError: bad shapes, dtypes, devices, layout or contiguity; a count other than the ids'; block ids out of
+            range or repeated.
+    """
+    shape = check_paged_caches(kv_caches, layout)
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    ids = check_block_ids(block_ids, num_blocks)
+    if ids.numel() != torch.unique(ids).numel():
+        raise ValueError(f"block_ids must be distinct for scatter, got {ids.tolist()}")
+    if len(blocks) != ids.numel():
+        raise ValueError(f"{name}: {len(blocks)} blocks for {ids.numel()} block ids")
+    want = (len(kv_caches), *canonical_shard_shape(block_size, num_kv_heads, head_dim, layout))
+    ref = kv_caches[0]
+    for i, b in enumerate(blocks):
+        if tuple(b.shape) != want or b.dtype != ref.dtype or b.device != ref.device or not b.is_contiguous():
+            raise ValueError(
+                f"{name}[{i}] must be a contiguous {want} {ref.dtype} on {ref.device}, got {tuple(b.shape)} "
+                f"{b.dtype} on {b.device}{'' if b.is_contiguous() else ' (not contiguous)'}"
+            )
+    return ids.to(ref.device), shape
+
+
 def shard_contiguous(t: torch.Tensor) -> bool:
     """The dims after the first two are C-contiguous (first two strides are free)."""
     return t[0, 0].is_contiguous() if t.shape[0] and t.shape[1] else True

@@ -12,6 +12,9 @@ Semantics (the design's store contract):
   layer): its task's ``wait_shard(s)`` returns once shard ``s`` of every row is in ``dst`` (not yet validated), so a
   caller can use the first layers while later ones are still being read; the task's result is validated as ``load``'s,
   and an optional ``on_row(i, ok)`` hook hears of each row as soon as it is validated or failed.
+- ``lend(keys, block_nbytes)`` hands out read-only views of the blocks a stage holds in process memory (the
+  ``Cache`` stage's DRAM slots), kept from eviction and reuse until the :class:`Lease` is released, so a caller can
+  copy them where they lie (the connector scatters them straight into the paged KV) instead of into a ``dst`` first.
 - A dumped block becomes visible to ``lookup`` only once it is completely written.
 - A load that cannot produce the exact bytes that were dumped (missing, truncated, corrupted, wrong key or size)
   reports that key as failed and leaves the matching ``dst`` row unspecified; it never reports wrong bytes as
@@ -75,6 +78,36 @@ class Removal:
     blocks: int = 0
     nbytes: int = 0
     errors: list[str] = field(default_factory=list)
+
+
+class Lease:
+    """Blocks lent by :meth:`UcmKVStoreBase.lend`: ``rows[i]`` is key ``i``'s block, a read-only 1-D CPU
+    ``torch.uint8`` view of ``block_nbytes`` (never written by the store, nor evicted or reused, until
+    :meth:`release`), or ``None`` where it was not lent (the caller loads it). Release it once done reading, as soon
+    as possible: lent blocks cannot be evicted. A context manager; :meth:`release` is idempotent."""
+
+    def __init__(self, rows: list[torch.Tensor | None], release: Callable[[], None] | None = None) -> None:
+        self.rows = rows
+        self._release = release
+        self._lock = threading.Lock()
+
+    @property
+    def lent(self) -> int:
+        """How many rows were lent."""
+        return sum(r is not None for r in self.rows)
+
+    def release(self) -> None:
+        """Give the lent blocks back (the views must not be read afterwards)."""
+        with self._lock:
+            release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass(frozen=True)
@@ -445,6 +478,20 @@ class UcmKVStoreBase(abc.ABC):
         check_keys_and_buffer(keys, dst, "dst")
         check_shards(dst, num_shards)
         return report_whole(self.load(keys, dst), progress, len(keys), on_row)
+
+    def lend(self, keys: Sequence[bytes], block_nbytes: int) -> Lease:
+        """Lend the blocks of ``keys`` that this stage holds in process memory as blocks of ``block_nbytes`` bytes
+        (see :class:`Lease`); synchronous, no I/O. A lent block counts as a load hit in the stage's observations and
+        is made most recently used, as a load of it would. This default lends nothing (stages without such a tier,
+        and stages over another: a block is lent only by the stage that holds it in the form the caller reads).
+
+        Raises:
+            TypeError / ValueError: a key is not 16 ``bytes``, or ``block_nbytes`` < 1.
+        """
+        check_keys(keys)
+        if block_nbytes < 1:
+            raise ValueError(f"block_nbytes must be >= 1, got {block_nbytes}")
+        return Lease([None] * len(keys))
 
     @abc.abstractmethod
     def dump(self, keys: Sequence[bytes], src: torch.Tensor) -> Task:

@@ -19,6 +19,9 @@ stage below is in flight, so a block is always found in at least one tier once i
 block that cannot fit (larger than the capacity, or only pinned blocks left to evict) is not cached; a dump
 still writes it to the stage below, and a load reads it from the stage below straight into ``dst``.
 
+Lending: :meth:`CacheStore.lend` hands out the DRAM hits' slots themselves (pinned until the lease is released), so
+the connector scatters a DRAM hit straight from its slot into the paged KV, with no copy into a load buffer.
+
 Copies: one per block and direction. ``dump`` copies each new row of ``src`` into its slot (rows already cached
 are not copied) and writes back straight from ``src``; a miss of ``load`` is read from the stage below into the
 slot that becomes its cache entry (promotion copies nothing), then copied into ``dst``; a miss of ``load_sharded``
@@ -65,6 +68,7 @@ from ucm.affinity import daemon_thread, thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
     EncodedStore,
+    Lease,
     Removal,
     RowCallback,
     ShardProgress,
@@ -353,6 +357,41 @@ class CacheStore(UcmKVStoreBase):
         except RuntimeError:  # closed concurrently: wait for the reads here, so that no slot is reused under one
             self._finish_load_safely(list(keys), dst, reads, result)
         return Task(result)
+
+    def lend(self, keys: Sequence[bytes], block_nbytes: int) -> Lease:
+        """Lend the DRAM hits among ``keys`` (blocks of ``block_nbytes`` bytes): each lent slot is pinned (never
+        evicted, nor reused after :meth:`drop_cached`) until the lease is released, and made most recently used;
+        the lent blocks are recorded as a load's DRAM hits. Keys not cached, or cached at another size, are not lent.
+
+        Raises:
+            TypeError / ValueError: a key is not 16 ``bytes``, or ``block_nbytes`` < 1.
+            RuntimeError: the store is closed.
+        """
+        check_keys(keys)
+        if block_nbytes < 1:
+            raise ValueError(f"block_nbytes must be >= 1, got {block_nbytes}")
+        self._check_open()
+        t0 = time.perf_counter()
+        rows: list[torch.Tensor | None] = [None] * len(keys)
+        pinned: list[_Entry] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is not None and entry.data.numel() == block_nbytes:
+                    entry.pins += 1
+                    self._entries.move_to_end(key)
+                    rows[i] = entry.data
+                    pinned.append(entry)
+        if not pinned:
+            return Lease(rows)
+        self._record("load", len(pinned), len(pinned), len(pinned) * block_nbytes, time.perf_counter() - t0)
+
+        def release() -> None:
+            with self._lock:
+                for entry in pinned:
+                    entry.pins -= 1
+
+        return Lease(rows, release)
 
     def load_sharded(
         self,

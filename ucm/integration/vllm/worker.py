@@ -56,7 +56,7 @@ from ucm.integration.vllm.staging import StagingPool
 from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks, scatter_layers, warm_up
 from ucm.logger import init_logger
 from ucm.sparse import invalidate_blocks
-from ucm.store.base import Task, UcmKVStoreBase
+from ucm.store.base import Lease, Task, UcmKVStoreBase
 from ucm.store.observe import NO_RECORDER, Observation, Recorder, requests_of
 
 if TYPE_CHECKING:
@@ -352,46 +352,79 @@ class UCMWorker:
                 return
 
     def _load_round(self, keys: list[bytes], block_ids: list[int], requests: tuple[str, ...], deadline: float) -> bool:
-        """Load ``keys`` (at most the load buffer's blocks) into the load buffer and scatter those that loaded into
-        ``block_ids``; record those that failed. False when the store did not finish by ``deadline``
-        (``perf_counter`` seconds): nothing is scattered or recorded then."""
+        """Load ``keys`` (at most the load buffer's blocks) and scatter those that loaded into ``block_ids``; record
+        those that failed. With the paged KV on CPU, the blocks the store holds in DRAM are lent
+        (:meth:`~ucm.store.base.UcmKVStoreBase.lend`) and scattered straight from there; the others are loaded into
+        the load buffer first. False when the store did not finish by ``deadline`` (``perf_counter`` seconds):
+        nothing is scattered or recorded then."""
         t0 = time.perf_counter()
         staging = self._load_staging(len(keys))
-        rows = staging.view(torch.uint8).view(len(keys), -1)
+        block_nbytes = staging[0].numel() * staging.element_size()
+        store_keys = rank_keys(keys, self._tp_rank, self._tp_size)
+        on_cpu = self._kv_caches[0].device.type == "cpu"
         with requests_of(requests):  # named in the stages' observations
-            task = self._store.load(rank_keys(keys, self._tp_rank, self._tp_size), rows)
-        try:
-            result = task.result(max(0.0, deadline - t0))
-        except TimeoutError:
-            return False
-        t1 = time.perf_counter()
-        ok = [i for i in range(len(keys)) if i not in result.failed]
-        if result.failed:
-            self._record_failed(keys, block_ids, result.failed)
-            logger.warning("%d of %d blocks failed to load; vLLM recomputes them", len(result.failed), len(keys))
-        if not ok:
-            return True
-        self._scatter([block_ids[i] for i in ok], staging if len(ok) == len(keys) else staging[ok])
+            lease = self._store.lend(store_keys, block_nbytes) if on_cpu else Lease([None] * len(keys))
+        with lease:
+            rest = [i for i, row in enumerate(lease.rows) if row is None]  # to load into the buffer
+            failed: set[int] = set()
+            if rest:
+                rows = staging[: len(rest)].view(torch.uint8).view(len(rest), -1)
+                with requests_of(requests):
+                    task = self._store.load([store_keys[i] for i in rest], rows)
+                try:
+                    result = task.result(max(0.0, deadline - t0))
+                except TimeoutError:
+                    return False
+                failed = {rest[j] for j in result.failed}
+            t1 = time.perf_counter()
+            if failed:
+                self._record_failed(keys, block_ids, failed)
+                logger.warning("%d of %d blocks failed to load; vLLM recomputes them", len(failed), len(keys))
+            ok = [i for i in range(len(keys)) if i not in failed]
+            if not ok:
+                return True
+            ids = [block_ids[i] for i in ok]
+            if not lease.lent:  # every row in the buffer: one tensor (the GPU path copies it to the device)
+                self._scatter(ids, staging if len(ok) == len(keys) else staging[ok])
+            else:
+                in_buffer = {i: j for j, i in enumerate(rest)}
+                self._scatter(
+                    ids,
+                    [
+                        self._lent_block(lease.rows[i], staging) if i not in in_buffer else staging[in_buffer[i]]
+                        for i in ok
+                    ],
+                )
         logger.debug(
-            "loaded %d blocks into vLLM block ids %s: store %.1f ms, scatter %.1f ms",
+            "loaded %d blocks into vLLM block ids %s (%d lent from DRAM): store %.1f ms, scatter %.1f ms",
             len(ok),
-            [block_ids[i] for i in ok],
+            ids,
+            lease.lent,
             (t1 - t0) * 1e3,
             (time.perf_counter() - t1) * 1e3,
         )
         return True
 
+    @staticmethod
+    def _lent_block(row: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """A lent uint8 row viewed as one canonical block ``like[0]`` (dtype and shape of the load buffer's rows)."""
+        assert row is not None
+        return row.view(like.dtype).view(like.shape[1:])
+
     def _block_shape(self) -> tuple[int, ...]:
         s = self._spec
         return tuple(canonical_block_shape(len(self._kv_caches), s.block_size, s.num_kv_heads, s.head_dim))
 
-    def _scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
+    def _scatter(self, block_ids: list[int], src: torch.Tensor | list[torch.Tensor]) -> None:
         """Write canonical blocks ``src`` (``[len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]``,
-        CPU) into ``block_ids`` of the paged KV."""
+        CPU; or, with the paged KV on CPU, a list of such blocks, each where it lies) into ``block_ids`` of the paged
+        KV."""
         assert self._layout is not None
         device = self._kv_caches[0].device
         ids = torch.tensor(block_ids, dtype=torch.int64)
-        scatter_blocks(src.to(device, non_blocking=True), self._kv_caches, ids.to(device), self._layout)
+        if isinstance(src, torch.Tensor):
+            src = src.to(device, non_blocking=True)
+        scatter_blocks(src, self._kv_caches, ids.to(device), self._layout)
         # Sparse attention's per-block summaries of these blocks describe their previous contents: recompute them.
         invalidate_blocks(ids)
 

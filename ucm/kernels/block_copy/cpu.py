@@ -33,10 +33,18 @@ def _numba_kernels() -> Any:
 
 
 def copy_cpu(
-    kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, layout: KVLayout, staging: torch.Tensor, gather: bool
+    kv_caches: Sequence[torch.Tensor],
+    ids: torch.Tensor,
+    layout: KVLayout,
+    staging: torch.Tensor | Sequence[torch.Tensor],
+    gather: bool,
 ) -> None:
     """Move every layer's shard of blocks ``ids`` between ``kv_caches`` and ``staging`` (``gather``: paged ->
-    staging). FLASH_NHD / MLA: one ``memmove`` per contiguous run. CPU_ATTN and CPU_ATTN_AMX: numba
+    staging). ``staging`` is one ``[n, num_layers, *shard]`` view, or ``n`` separate ``[num_layers, *shard]``
+    blocks (anywhere in memory, the same strides; shard dims contiguous in both forms): the kernels take one address
+    per canonical block, so blocks held elsewhere (the DRAM tier's slots) need no copy into one buffer first.
+
+    FLASH_NHD / MLA: one ``memmove`` per contiguous run. CPU_ATTN and CPU_ATTN_AMX: numba
     kernels (see ``cpu_numba``) per (block, layer) shard, with vector tiles: CPU_ATTN K by tile transposes out of
     a scratch copy of the source shard (``cpu_attn_tiles``, 2-byte dtypes; 4x4 word tiles where no tile divides
     ``block_size`` and ``head_dim``; element loops for other dtypes), CPU_ATTN_AMX by 16 x 16 word transposes
@@ -47,35 +55,35 @@ def copy_cpu(
     esize = kv_caches[0].element_size()
     addrs = [c.data_ptr() for c in kv_caches]
     part = block_size * num_kv_heads * head_dim
+    block_addrs, s1, span = staging_rows(staging, esize)
     if layout not in CPU_LAYOUTS:
-        _copy_chunks_memmove(addrs, ids.tolist(), staging, layout, num_blocks * part, part, esize, gather)
+        _copy_chunks_memmove(
+            addrs, ids.tolist(), block_addrs, s1 * esize, layout, num_blocks * part, part, esize, gather
+        )
         return
     import numpy as np
 
     nk = _numba_kernels()
-    s0, s1 = staging.stride(0), staging.stride(1)
     items = ids.numel() * len(kv_caches)  # (block, layer) work items
     nbytes = items * 2 * block_size * num_kv_heads * head_dim * esize
-    dst = [staging.data_ptr(), s0 * esize, s1 * esize] if gather else addrs  # where the stores go
+    dst = [*block_addrs.tolist(), s1 * esize] if gather else addrs  # where the stores go
     tile, nt = cpu_attn_plan(layout, esize, block_size, head_dim, nbytes, dst)
     if layout == KVLayout.CPU_ATTN_AMX:  # validated: 2-byte elements, block_size and head_dim multiples of 32
-        amx_args = (np.array(addrs, dtype=np.int64), staging.data_ptr(), ids.numpy(), s0 * esize, s1 * esize)
+        amx_args = (np.array(addrs, dtype=np.int64), block_addrs, ids.numpy(), s1 * esize)
         amx_geometry = (num_kv_heads, head_dim, block_size, nt, not gather, gather)  # pre-read: scatter only
         _run_split(items, nbytes, lambda lo, hi: nk.cpu_attn_amx_tiles(*amx_args, *amx_geometry, lo, hi))
         return
     if tile:
-        tile_args = (np.array(addrs, dtype=np.int64), staging.data_ptr(), ids.numpy(), s0 * esize, s1 * esize)
+        tile_args = (np.array(addrs, dtype=np.int64), block_addrs, ids.numpy(), s1 * esize)
         geometry = (num_kv_heads, head_dim, block_size, tile, nt, gather)
         _run_split(items, nbytes, lambda lo, hi: nk.cpu_attn_tiles(*tile_args, *geometry, lo, hi))
         return
-    # Elements from staging[0, 0] to one past its last element.
-    span = 1 + sum((d - 1) * st for d, st in zip(staging.shape, staging.stride(), strict=True))
     words = (
         esize == 2
         and block_size % 4 == 0
         and head_dim % 4 == 0
-        and all(x * esize % 8 == 0 for x in (s0, s1, span))
-        and all(a % 8 == 0 for a in [*addrs, staging.data_ptr()])
+        and all(x * esize % 8 == 0 for x in (s1, span))
+        and all(a % 8 == 0 for a in [*addrs, *block_addrs.tolist()])
     )
     w = 4 if words else 1  # elements per word
     word = np.dtype(np.uint64) if words else np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[esize])
@@ -83,11 +91,10 @@ def copy_cpu(
     args = (
         np.array(addrs, dtype=np.int64),
         kv_caches[0].numel() // w,
-        staging.data_ptr(),
+        block_addrs,
         span // w,
         np.empty(0, dtype=word),
         ids.numpy(),
-        s0 // w,
         s1 // w,
         num_kv_heads,
         head_dim // w,
@@ -95,6 +102,30 @@ def copy_cpu(
         gather,
     )
     _run_split(items * num_kv_heads, nbytes, lambda lo, hi: fn(*args, lo, hi))  # (block, layer, head) items
+
+
+def staging_rows(staging: torch.Tensor | Sequence[torch.Tensor], esize: int) -> tuple[Any, int, int]:
+    """The staging side of a copy as the kernels take it: ``(block_addrs, s_layer, span)``: int64 numpy ``[n]``
+    byte addresses of each canonical block's ``[num_layers, *shard]`` row, the stride between its layers and the
+    elements from a row's first element to one past its last (``staging``: a ``[n, num_layers, *shard]`` view or
+    ``n`` blocks ``[num_layers, *shard]`` of equal strides; shard dims contiguous; ``esize``: bytes per element).
+
+    Raises:
+        ValueError: a list of blocks whose shapes or strides differ.
+    """
+    import numpy as np
+
+    if isinstance(staging, torch.Tensor):
+        rows = staging.shape[0]
+        block_addrs = staging.data_ptr() + np.arange(rows, dtype=np.int64) * (staging.stride(0) * esize)
+        shape, strides = staging.shape[1:], staging.stride()[1:]
+    else:
+        shape, strides = staging[0].shape, staging[0].stride()
+        if any(b.shape != shape or b.stride() != strides for b in staging):
+            raise ValueError(f"staging blocks differ in shape or strides; all must be {tuple(shape)} {strides}")
+        block_addrs = np.array([b.data_ptr() for b in staging], dtype=np.int64)
+    span = 1 + sum((d - 1) * st for d, st in zip(shape, strides, strict=True))
+    return block_addrs, strides[0], span
 
 
 # Non-temporal stores in the tile kernels: x86-64 only (elsewhere their lowering and the fence's cost are unmeasured),
@@ -176,7 +207,8 @@ def _cpu_pool(workers: int) -> ThreadPoolExecutor:
 def _copy_chunks_memmove(
     addrs: list[int],
     ids: list[int],
-    staging: torch.Tensor,
+    block_addrs: Any,
+    s_layer: int,
     layout: KVLayout,
     stride_part: int,
     part: int,
@@ -190,7 +222,7 @@ def _copy_chunks_memmove(
 
     parts = 1 if layout == KVLayout.MLA else 2
     nbytes = part * esize
-    base, s0, s1 = staging.data_ptr(), staging.stride(0) * esize, staging.stride(1) * esize
+    rows = block_addrs.tolist()  # byte address of each canonical block's staging row
     memmove = ctypes.memmove
 
     def run(lo: int, hi: int) -> None:
@@ -199,7 +231,7 @@ def _copy_chunks_memmove(
             for layer, addr in enumerate(addrs):
                 for p in range(parts):
                     paged = addr + (p * stride_part + b * part) * esize
-                    stage = base + i * s0 + layer * s1 + p * nbytes
+                    stage = rows[i] + layer * s_layer + p * nbytes
                     if gather:
                         memmove(stage, paged, nbytes)
                     else:

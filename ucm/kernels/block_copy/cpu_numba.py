@@ -2,7 +2,9 @@
 imported on first use: numba is slow to load).
 
 Every kernel takes the layer tensors as an ``int64`` array of addresses plus each layer's length, and the staging
-buffer as an address and length, all in *words*: the unit the caller chose (8-byte ``uint64`` where every size and
+side as an ``int64`` array of byte addresses, one per canonical block (its ``[num_layers, *shard]`` row: rows of one
+staging tensor, or blocks anywhere in memory, such as the DRAM tier's slots), plus the length one row spans; lengths
+and strides in *words*: the unit the caller chose (8-byte ``uint64`` where every size and
 address allows, else the element's own integer type); ``like`` is an empty array of that word type, so numba
 compiles one version per word type. Each call does the ``(block, layer, head)`` work items ``start:stop`` with the
 GIL released; ``block_copy.cpu`` runs slices of one copy on plain Python threads. numba's own parallel layers are
@@ -90,12 +92,11 @@ def _transpose4x4(a: Any, b: Any, c: Any, e: Any) -> tuple[Any, Any, Any, Any]:
 def cpu_attn_elements(
     addrs: np.ndarray,
     layer_len: int,
-    staging_addr: int,
-    staging_len: int,
+    block_addrs: np.ndarray,  # int64 [n]: byte address of canonical block i's staging row [num_layers, *shard]
+    block_len: int,  # words one staging row spans
     like: np.ndarray,
     ids: np.ndarray,
-    s_block: int,
-    s_layer: int,
+    s_layer: int,  # staging stride between layers, words
     heads: int,
     dim: int,  # head_dim, elements
     bs: int,  # block_size
@@ -105,7 +106,6 @@ def cpu_attn_elements(
 ) -> None:
     """CPU_ATTN, any element width, work items ``start:stop`` of ``(block, layer, head)``: K by an element-wise
     transpose (the inner loop walks the written side contiguously), V by row copies."""
-    staging = _array(staging_addr, staging_len, like)
     num_layers = addrs.shape[0]
     row = heads * dim  # canonical row: one token, all heads
     for u in range(start, stop):
@@ -115,7 +115,8 @@ def cpu_attn_elements(
         layer = _array(addrs[layer_i], layer_len, like)
         kb = (ids[i] * heads + h) * 2 * bs * dim  # K^T [dim, bs]
         vb = kb + bs * dim  # V [bs, dim]
-        so = i * s_block + layer_i * s_layer + h * dim
+        staging = _array(block_addrs[i], block_len, like)
+        so = layer_i * s_layer + h * dim
         sv = so + bs * row
         if gather:
             for t in range(bs):
@@ -137,12 +138,11 @@ def cpu_attn_elements(
 def cpu_attn_words(
     addrs: np.ndarray,
     layer_len: int,
-    staging_addr: int,
-    staging_len: int,
+    block_addrs: np.ndarray,  # int64 [n]: byte address of canonical block i's staging row [num_layers, *shard]
+    block_len: int,  # words one staging row spans
     like: np.ndarray,  # empty uint64 array
     ids: np.ndarray,
-    s_block: int,
-    s_layer: int,
+    s_layer: int,  # staging stride between layers, words
     heads: int,
     dim4: int,  # head_dim / 4: words per V row
     bs4: int,  # block_size / 4: words per K^T row
@@ -158,7 +158,6 @@ def cpu_attn_words(
     LLVM vectorizes (several times faster than the tile-at-a-time loop, which wrote one word per canonical row).
     Scatter keeps the tile-at-a-time loop, whose writes into K^T rows are contiguous already: there the strip form
     was slower."""
-    staging = _array(staging_addr, staging_len, like)
     num_layers = addrs.shape[0]
     row = heads * dim4  # canonical row (one token, all heads), words
     bs = 4 * bs4
@@ -172,7 +171,8 @@ def cpu_attn_words(
         kb = (ids[i] * heads + h) * 8 * bs4 * dim4
         kt = layer[kb : kb + 4 * dim4 * bs4].reshape(4 * dim4, bs4)  # K^T [head_dim, bs4 words]
         v = layer[kb + 4 * dim4 * bs4 : kb + 8 * dim4 * bs4].reshape(bs, dim4)  # V [bs, dim4 words]
-        so = i * s_block + layer_i * s_layer
+        staging = _array(block_addrs[i], block_len, like)
+        so = layer_i * s_layer
         ck = staging[so : so + bs * row].reshape(bs, row)  # canonical K [bs, heads*dim4 words]
         cv = staging[so + bs * row : so + 2 * bs * row].reshape(bs, row)
         c0 = h * dim4
@@ -335,10 +335,9 @@ def _row(n: int, nt: bool, dst: int, src: int) -> None:
 @numba.njit(cache=True, nogil=True)
 def cpu_attn_tiles(
     addrs: np.ndarray,  # int64 [num_layers]: byte address of each layer tensor
-    staging_addr: int,  # byte address of staging[0, 0]
+    block_addrs: np.ndarray,  # int64 [n]: byte address of canonical block i's staging row [num_layers, *shard]
     ids: np.ndarray,
-    s_block: int,  # staging strides of dims 0 and 1, bytes
-    s_layer: int,
+    s_layer: int,  # staging stride between layers, bytes
     heads: int,
     dim: int,  # head_dim, elements
     bs: int,  # block_size, elements
@@ -359,7 +358,7 @@ def cpu_attn_tiles(
     for u in range(start, stop):
         i = u // num_layers
         paged = addrs[u % num_layers] + ids[i] * chunk
-        stage = staging_addr + i * s_block + (u % num_layers) * s_layer
+        stage = block_addrs[i] + (u % num_layers) * s_layer
         if gather:
             _memcpy(sp, paged, chunk)
             for t0 in range(0, bs, n):  # canonical K rows t0:t0+n, written in address order
@@ -466,10 +465,9 @@ def _vnni(split: bool, nt: bool, a: int, b: int, c: int, d: int) -> None:
 @numba.njit(cache=True, nogil=True)
 def cpu_attn_amx_tiles(
     addrs: np.ndarray,  # int64 [num_layers]: byte address of each layer tensor
-    staging_addr: int,  # byte address of staging[0, 0]
+    block_addrs: np.ndarray,  # int64 [n]: byte address of canonical block i's staging row [num_layers, *shard]
     ids: np.ndarray,
-    s_block: int,  # staging strides of dims 0 and 1, bytes
-    s_layer: int,
+    s_layer: int,  # staging stride between layers, bytes
     heads: int,
     dim: int,  # head_dim, elements, a multiple of 32
     bs: int,  # block_size, elements, a multiple of 32
@@ -494,7 +492,7 @@ def cpu_attn_amx_tiles(
     for u in range(start, stop):
         i = u // num_layers
         paged = addrs[u % num_layers] + ids[i] * chunk
-        stage = staging_addr + i * s_block + (u % num_layers) * s_layer
+        stage = block_addrs[i] + (u % num_layers) * s_layer
         if gather:
             src = paged
             if pre_read:

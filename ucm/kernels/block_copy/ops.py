@@ -37,6 +37,7 @@ from ucm.kernels.layouts import (
     alloc_or_check_out,
     canonical_shard_shape,
     check_block_ids,
+    check_block_list,
     check_paged_caches,
     check_staging,
     int_view,
@@ -111,7 +112,7 @@ def gather_layers(
 
 
 def scatter_blocks(
-    blocks: torch.Tensor,
+    blocks: torch.Tensor | Sequence[torch.Tensor],
     kv_caches: Sequence[torch.Tensor],
     block_ids: torch.Tensor,
     layout: KVLayout,
@@ -126,7 +127,9 @@ def scatter_blocks(
     Args:
         blocks: ``[n, num_layers, *shard]`` in the caches' dtype and device, shard ``[2, block_size, num_kv_heads,
             head_dim]`` (MLA ``[block_size, latent_dim]``); may be a strided view (copied when its shard dims are
-            not contiguous).
+            not contiguous). Or a sequence of ``n`` contiguous ``[num_layers, *shard]`` blocks, each anywhere in
+            memory (the DRAM tier's slots): the CPU path reads each where it lies, in one call; the other
+            implementations stack them into one tensor first.
         kv_caches: one contiguous paged KV tensor per layer in ``layout`` (see :func:`gather_blocks`).
         block_ids: int32/int64 ``[n]`` distinct vLLM block ids.
         layout: the paged layout.
@@ -205,7 +208,7 @@ def _gather(
 
 
 def _scatter(
-    staging: torch.Tensor,
+    staging: torch.Tensor | Sequence[torch.Tensor],
     kv_caches: Sequence[torch.Tensor],
     block_ids: torch.Tensor,
     layout: KVLayout,
@@ -214,7 +217,18 @@ def _scatter(
     name: str,
 ) -> None:
     """The body of :func:`scatter_blocks` (``layer_major=False``: ``staging`` is ``[n, num_layers, *shard]``) and
-    of :func:`scatter_layers` (``layer_major=True``: ``[num_layers, n, *shard]``): validate, then copy."""
+    of :func:`scatter_layers` (``layer_major=True``: ``[num_layers, n, *shard]``): validate, then copy. A sequence
+    of blocks (block-major only) goes to the CPU path as it is, to the others stacked."""
+    if not isinstance(staging, torch.Tensor):
+        blocks = list(staging)
+        ids, _ = check_block_list(blocks, kv_caches, layout, block_ids, name)
+        which = resolve_impl(impl, kv_caches[0].device, op="scatter_blocks")
+        if not blocks:
+            return
+        if which == "cpu":
+            copy_blocks(kv_caches, ids, layout, blocks, gather=False, impl=which)
+            return
+        staging = torch.stack(blocks)
     ids, _ = check_staging(staging, kv_caches, layout, block_ids, layer_major=layer_major, name=name)
     which = resolve_impl(impl, kv_caches[0].device, op="scatter_layers" if layer_major else "scatter_blocks")
     src = staging if shard_contiguous(staging) else staging.contiguous()
@@ -229,7 +243,7 @@ def copy_blocks(
     kv_caches: Sequence[torch.Tensor],
     ids: torch.Tensor,
     layout: KVLayout,
-    staging: torch.Tensor,
+    staging: torch.Tensor | Sequence[torch.Tensor],
     gather: bool,
     impl: str,
 ) -> None:
@@ -240,15 +254,19 @@ def copy_blocks(
         kv_caches: per-layer paged KV tensors (contiguous, same shape/dtype/device).
         ids: int64 ``[n]`` block ids on the caches' device, in range (distinct when scattering).
         layout: the paged layout.
-        staging: ``[n, num_layers, *shard]`` view, same dtype and device, shard dims contiguous.
+        staging: ``[n, num_layers, *shard]`` view, same dtype and device, shard dims contiguous; for ``impl="cpu"``
+            also a sequence of ``n`` contiguous ``[num_layers, *shard]`` blocks.
         gather: True: paged -> staging; False: staging -> paged.
         impl: a resolved implementation (``triton``, ``cpu`` or ``torch``).
     """
     if ids.numel() == 0:
         return
+    if impl == "cpu":
+        copy_cpu(kv_caches, ids, layout, staging, gather)
+        return
+    if not isinstance(staging, torch.Tensor):
+        raise ValueError(f"a sequence of staging blocks needs impl='cpu', got {impl!r}")
     if impl == "triton":
         copy_triton(kv_caches, ids, layout, staging, gather)
-    elif impl == "cpu":
-        copy_cpu(kv_caches, ids, layout, staging, gather)
     else:
         copy_torch(kv_caches, ids, layout, staging, gather)
