@@ -50,3 +50,27 @@ def test_daemon_thread_widens_itself(bound_to_one_cpu):
 def test_cpu_list_format():
     assert _cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
     assert _cpu_list({3}) == "3"
+
+
+def test_ucm_threads_run_torch_single_threaded_and_leave_the_callers_count():
+    """A torch operator on a UCM thread runs on that thread alone (no second OpenMP team competing with the model's
+    threads); the thread that started it keeps its own count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pool = thread_pool(1, "ucm-test")
+        try:
+            seen = pool.submit(lambda: (torch.get_num_threads(), torch.ones(1 << 22).sum().item())).result()
+        finally:
+            pool.shutdown()
+        daemon_seen: list[int] = []
+        t = daemon_thread(lambda: daemon_seen.append(torch.get_num_threads()), "ucm-test")
+        t.start()
+        t.join()
+        assert seen == (1, float(1 << 22))
+        assert daemon_seen == [1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
