@@ -15,12 +15,15 @@ import pytest
 import torch
 
 from tests.integration.helpers import paged_caches
+from tests.store.helpers import DictStore
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.staging import StagingPool
 from ucm.integration.vllm.worker import UCMWorker
+from ucm.kernels import gather_blocks
 from ucm.kernels.layouts import KVLayout
 from ucm.store.cache import CacheStore
+from ucm.store.observe import Observation, Recorder
 from ucm.store.posix import HEADER_NBYTES, PosixStore, block_file_path
 
 LAYERS = ("l0", "l1", "l2")
@@ -197,3 +200,56 @@ def store_block(store: CacheStore, key: bytes) -> torch.Tensor:
     out = torch.empty((1, BLOCK_NBYTES), dtype=torch.uint8)
     assert store.load([key], out).result().ok
     return out[0]
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["blockwise", "layerwise"])
+def test_dumps_in_flight_are_bounded_and_the_rest_deferred(layerwise: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """While the store holds its write-backs (a DictStore below the Cache stage, released by the test), dumps in
+    flight keep their staging buffers; a step whose dump would go past ``max_inflight_dump_bytes`` gathers nothing
+    and hands its keys back to the scheduler (``dropped_keys``), with one warning. Once the store catches up, the
+    next step's dump is taken again, and every dump taken is stored bit-exact."""
+    below = DictStore()
+    below.release.clear()
+    store = CacheStore(below, capacity_bytes=1 << 24)
+    caches = paged_caches(SPEC, NUM_BLOCKS, seed=11)
+    worker = UCMWorker(
+        SPEC, store, lambda _c: KVLayout.CPU_ATTN, layerwise=layerwise, load_buffer_blocks=8,
+        max_inflight_dump_bytes=6 * BLOCK_NBYTES,
+    )  # fmt: skip
+    worker.register_kv_caches(caches)
+    assert "dumps in flight up to" in caplog.text
+    seen: list[Observation] = []
+    worker.recorder = Recorder()
+    worker.recorder.add_sink(seen.append)
+
+    def step(i: int, n: int) -> list[bytes]:
+        keys = [bytes([i, j]) * 8 for j in range(n)]
+        meta = UCMConnectorMetadata(dumps=[BlockTransfer(f"r{i}", keys, list(range(4 * i, 4 * i + n)))])
+        for layer in LAYERS:
+            worker.save_kv_layer(layer, meta)
+        worker.wait_for_save(meta)
+        return keys
+
+    first = step(0, 3)  # a 4-block buffer, held by the stalled write-back
+    assert below.dump_started.wait(timeout=10)
+    assert worker.take_worker_meta().dropped_keys == []  # type: ignore[union-attr]
+    second = step(1, 2)  # 4 + 2 blocks: within the bound
+    third = step(2, 3)  # 4 + 2 + 4 > 6: deferred, nothing gathered
+    meta = worker.take_worker_meta()
+    assert meta is not None and meta.dropped_keys == third
+    assert len(worker._pending_dumps) == 2
+    assert "the store is behind: 2 dumps in flight" in caplog.text
+    assert [(o.op, o.tier, o.blocks, o.requests) for o in seen] == [("dump_deferred", "all", 3, ("r2",))]
+    below.release.set()
+    store.flush()
+    again = step(3, 3)  # the store caught up: taken
+    store.flush()
+    worker.shutdown()
+    stored = first + second + again
+    assert set(below.blocks) == set(stored) and not set(third) & set(below.blocks)
+    paged = [caches[name] for name in LAYERS]
+    for i, keys in ((0, first), (1, second), (3, again)):
+        want = gather_blocks(paged, torch.arange(4 * i, 4 * i + len(keys)), KVLayout.CPU_ATTN, impl="reference")
+        for j, key in enumerate(keys):
+            assert torch.equal(below.blocks[key], want[j].reshape(-1).view(torch.uint8)), (i, j)
+    store.close()

@@ -35,7 +35,7 @@ from ucm.logger import init_logger
 logger = init_logger(__name__)
 
 Tier = Literal["dram", "compress", "storage", "all"]
-Op = Literal["lookup", "load", "dump", "load_failure"]
+Op = Literal["lookup", "load", "dump", "load_failure", "dump_deferred"]
 # Why a block failed to load (``load_failure`` observations): no file; a file failing verification; an I/O error;
 # a file this version does not read (another format version, codec or block size), kept in place; a load abandoned
 # past ``load_timeout_ms`` (tier ``all``: recorded by the worker, whichever stage was slow).
@@ -48,8 +48,9 @@ class Observation:
     """One lookup, load or dump as a tier saw it, or one failed block load.
 
     Attributes:
-        op: ``lookup`` (scheduler side: a request's prompt blocks looked up, tier ``all``), ``load``, ``dump``, or
-            ``load_failure`` (one block that failed to load, with its ``cause``).
+        op: ``lookup`` (scheduler side: a request's prompt blocks looked up, tier ``all``), ``load``, ``dump``,
+            ``load_failure`` (one block that failed to load, with its ``cause``), or ``dump_deferred`` (a worker's
+            step whose dump waits for a later step: its dumps in flight were at their bound; tier ``all``).
         tier: ``dram``, ``compress``, ``storage`` or ``all``.
         blocks: blocks asked of the tier (lookup: full prompt blocks beyond vLLM's own prefix-cache hit).
         ok: of those, blocks served (load, lookup: hits) or stored (dump).

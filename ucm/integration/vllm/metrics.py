@@ -95,6 +95,13 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("dump_failures", "counter", ("tier",), "blocks", "Blocks the tier failed to store (storage, compress)."),
     MetricDef("dump_seconds", "histogram", ("tier",), "seconds", "Time of one dump call at the tier."),
     MetricDef(
+        "dump_deferred_blocks",
+        "counter",
+        (),
+        "blocks",
+        "Blocks whose dump a worker deferred to a later step: its dumps in flight were at their bound (store lags).",
+    ),
+    MetricDef(
         "used_bytes",
         "gauge",
         ("tier",),
@@ -270,6 +277,8 @@ class StatsCollector:
                     s.set("compress_ratio", self._raw / self._stored)
             elif obs.op == "load_failure":
                 s.add("load_failures", obs.blocks, f"{obs.tier},{obs.cause}")
+            elif obs.op == "dump_deferred":
+                s.add("dump_deferred_blocks", obs.blocks)
 
     def take(self, gauges: Mapping[str, float] | None = None) -> UCMConnectorStats | None:
         """The stats since the last call (``None`` when there are none), with ``gauges`` (a store's

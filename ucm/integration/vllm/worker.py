@@ -35,6 +35,14 @@ the next one (which async scheduling plans before vLLM knows of the failure), ar
 to the scheduler (``UCMWorkerMetadata.dropped_keys``), which dumps those blocks again at a later step, once they hold
 the recomputed KV (:meth:`UCMScheduler.redo_dumps <ucm.integration.vllm.scheduler.UCMScheduler.redo_dumps>`).
 
+Dumps in flight are bounded (``max_inflight_dump_bytes``: the connector passes twice the load buffer's bytes): each
+holds its staging buffer until the store has written it through every stage, so a store that falls behind (a slow
+or stalled disk under load) would otherwise make the process hold one buffer per step for as long as it lags. A step
+whose dump would go past the bound, while earlier dumps are still in flight, gathers nothing and defers its dump: its
+keys go to the scheduler like dropped ones, which dumps them at a later step of their requests (from vLLM's KV, still
+there while the request runs); the blocks of requests that finish meanwhile are not stored (a later request
+recomputes them). One warning per 30 s counts them.
+
 Cache reset: a step whose metadata carries a newer ``reset_epoch`` than the worker's starts with :meth:`UCMWorker.reset`
 (called from the connector's ``bind_connector_metadata``, before the step's loads).
 """
@@ -109,6 +117,8 @@ class _LayerDump:
 
 LOAD_BUFFER_MAX_BYTES = 1 << 30
 DEFAULT_LOAD_TIMEOUT_S = 10.0
+# Least seconds between two warnings about deferred dumps (see UCMWorker._admit_dump).
+_DEFERRED_WARNING_INTERVAL_S = 30.0
 
 
 def load_buffer_blocks(max_model_len: int, spec: KVSpec) -> int:
@@ -143,9 +153,13 @@ class UCMWorker:
             least one (a collective over the tensor-parallel group: every rank calls it in the same steps); it
             makes a load failure on one rank drop the step's dumps on all (see the module docstring). None: this
             rank alone.
+        max_inflight_dump_bytes: most bytes of staging buffers held by dumps the store has not finished (bytes of
+            the pool's buffers); a step whose dump would go past it, with other dumps in flight, defers its dump
+            (see the module docstring). None: no bound.
 
     Raises:
-        ValueError: ``load_buffer_blocks`` < 1, ``dump_buffer_blocks`` < 0, or ``load_timeout_s`` not > 0.
+        ValueError: ``load_buffer_blocks`` < 1, ``dump_buffer_blocks`` < 0, ``load_timeout_s`` not > 0, or
+            ``max_inflight_dump_bytes`` < 1.
     """
 
     def __init__(
@@ -160,6 +174,7 @@ class UCMWorker:
         dump_buffer_blocks: int = 0,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         any_rank: Callable[[bool], bool] | None = None,
+        max_inflight_dump_bytes: int | None = None,
     ) -> None:
         if load_buffer_blocks < 1:
             raise ValueError(f"load_buffer_blocks must be >= 1, got {load_buffer_blocks}")
@@ -168,6 +183,12 @@ class UCMWorker:
         self._dump_buffer_blocks = dump_buffer_blocks
         if not load_timeout_s > 0:
             raise ValueError(f"load_timeout_s must be > 0 (seconds), got {load_timeout_s}")
+        if max_inflight_dump_bytes is not None and max_inflight_dump_bytes < 1:
+            raise ValueError(f"max_inflight_dump_bytes must be >= 1 or None, got {max_inflight_dump_bytes}")
+        self._max_inflight_dump_bytes = max_inflight_dump_bytes
+        self._deferred_blocks = 0  # blocks whose dump was deferred since the last warning
+        self._deferred_warned = 0.0  # perf_counter() of that warning
+        self._layer_dump_deferred = False  # layerwise: this step's dump is deferred (see _admit_dump)
         self._load_timeout_s = load_timeout_s
         # Flushes the store for durable dumps, so that the step can stop waiting for a stalled one.
         self._flusher: ThreadPoolExecutor | None = None
@@ -240,7 +261,7 @@ class UCMWorker:
         logger.info(
             "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block, %s transfer (kernels ready "
             "in %.0f ms; load buffer of %d blocks, %.0f MiB, and dump buffer of %d blocks, %.0f MiB, paged in in "
-            "%.0f ms)",
+            "%.0f ms; dumps in flight up to %s)",
             len(self._kv_caches),
             self._layout.value,
             self._spec.block_size,
@@ -252,6 +273,9 @@ class UCMWorker:
             dump_blocks,
             dump_nbytes / 2**20,
             (t2 - t1) * 1e3,
+            "unbounded"
+            if self._max_inflight_dump_bytes is None
+            else f"{self._max_inflight_dump_bytes / 2**20:.0f} MiB",
         )
 
     def _staging(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -440,6 +464,7 @@ class UCMWorker:
         self._reap_dumps(block=False)
         self._finish_layer_load()
         layer_dump, self._layer_dump = self._layer_dump, None
+        deferred, self._layer_dump_deferred = self._layer_dump_deferred, False  # layerwise: keys handed back already
         if self._drop_this_step(meta):
             if layer_dump is not None and self._dump_pool is not None:
                 self._dump_pool.give(layer_dump.host)
@@ -453,6 +478,8 @@ class UCMWorker:
                 )
             return
         if not meta.dumps or self._layout is None:
+            return
+        if deferred or (layer_dump is None and not self._admit_dump(meta)):
             return
         if layer_dump is not None:  # layerwise: gather the layers save_kv_layer did not see
             for layer, done in enumerate(layer_dump.gathered):
@@ -482,6 +509,39 @@ class UCMWorker:
             n = len(t.keys)
             self._stored_keys.extend(t.keys[: self._store.lookup(ranked[start : start + n])])
             start += n
+
+    def _admit_dump(self, meta: UCMConnectorMetadata) -> bool:
+        """Whether this step's dump may take a staging buffer: always when it is durable (the step waits for it, so
+        it does not stay in flight) or no dump is in flight, else when the buffers held by dumps in flight plus this
+        one's stay within ``max_inflight_dump_bytes``. Otherwise its keys are handed back to the scheduler to dump
+        later (see the module docstring) and False is returned."""
+        if self._max_inflight_dump_bytes is None or any(t.durable for t in meta.dumps):
+            return True
+        self._reap_dumps(block=False)
+        if not self._pending_dumps:
+            return True
+        keys, _ = self._flatten(meta.dumps)
+        held = sum(host.nbytes for _, host, _ in self._pending_dumps)
+        need = StagingPool.capacity(len(keys)) * self._spec.block_nbytes
+        if held + need <= self._max_inflight_dump_bytes:
+            return True
+        self._dropped_keys.extend(keys)
+        self._deferred_blocks += len(keys)
+        if self.recorder.enabled:
+            requests = tuple(t.req_id for t in meta.dumps)
+            self.recorder.record(Observation("dump_deferred", "all", len(keys), requests=requests))
+        now = time.perf_counter()
+        if now - self._deferred_warned >= _DEFERRED_WARNING_INTERVAL_S:
+            logger.warning(
+                "the store is behind: %d dumps in flight hold %.0f MiB of staging buffers (bound %.0f MiB); deferred "
+                "the dumps of %d blocks since the last warning (dumped later while their requests run)",
+                len(self._pending_dumps),
+                held / 2**20,
+                self._max_inflight_dump_bytes / 2**20,
+                self._deferred_blocks,
+            )
+            self._deferred_warned, self._deferred_blocks = now, 0
+        return False
 
     def _drop_this_step(self, meta: UCMConnectorMetadata) -> bool:
         """Whether this step's dumps are dropped: a load of this step failed on some rank, or one of the step
@@ -621,7 +681,12 @@ class UCMWorker:
         layer = self._layer_index.get(layer_name)
         if not self._layerwise or not meta.dumps or self._layout is None or layer is None:
             return
+        if self._layer_dump_deferred:
+            return
         if self._layer_dump is None:
+            if not self._admit_dump(meta):
+                self._layer_dump_deferred = True
+                return
             keys, block_ids = self._flatten(meta.dumps)
             ids = torch.tensor(block_ids, dtype=torch.int64).to(self._kv_caches[0].device)
             host, staging = self._dump_buffers(len(keys))
