@@ -372,26 +372,14 @@ class CacheStore(UcmKVStoreBase):
             raise ValueError(f"block_nbytes must be >= 1, got {block_nbytes}")
         self._check_open()
         t0 = time.perf_counter()
+        hits = self._pin_hits(keys, block_nbytes)
         rows: list[torch.Tensor | None] = [None] * len(keys)
-        pinned: list[_Entry] = []
-        with self._lock:
-            for i, key in enumerate(keys):
-                entry = self._entries.get(key)
-                if entry is not None and entry.data.numel() == block_nbytes:
-                    entry.pins += 1
-                    self._entries.move_to_end(key)
-                    rows[i] = entry.data
-                    pinned.append(entry)
-        if not pinned:
+        for i, entry in hits:
+            rows[i] = entry.data
+        if not hits:
             return Lease(rows)
-        self._record("load", len(pinned), len(pinned), len(pinned) * block_nbytes, time.perf_counter() - t0)
-
-        def release() -> None:
-            with self._lock:
-                for entry in pinned:
-                    entry.pins -= 1
-
-        return Lease(rows, release)
+        self._record("load", len(hits), len(hits), len(hits) * block_nbytes, time.perf_counter() - t0)
+        return Lease(rows, functools.partial(self._unpin, hits))
 
     def load_sharded(
         self,
@@ -814,9 +802,19 @@ class CacheStore(UcmKVStoreBase):
     def _copy_hits(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[int]:
         """Copy the cached blocks of ``keys`` into their rows of ``dst`` (pinned meanwhile; each becomes most
         recently used); return the indices of the misses."""
-        nbytes = dst.shape[1]
+        hits = self._pin_hits(keys, dst.shape[1])
+        try:
+            for i, entry in hits:
+                _copy_row(dst[i], entry.data)
+        finally:
+            self._unpin(hits)
+        hit = {i for i, _ in hits}
+        return [i for i in range(len(keys)) if i not in hit]
+
+    def _pin_hits(self, keys: Sequence[bytes], nbytes: int) -> list[tuple[int, _Entry]]:
+        """``(index, entry)`` of the keys cached as blocks of ``nbytes`` bytes, each pinned and made most recently
+        used (undo with :meth:`_unpin`)."""
         hits: list[tuple[int, _Entry]] = []
-        misses: list[int] = []
         with self._lock:
             for i, key in enumerate(keys):
                 entry = self._entries.get(key)
@@ -824,16 +822,13 @@ class CacheStore(UcmKVStoreBase):
                     entry.pins += 1
                     self._entries.move_to_end(key)
                     hits.append((i, entry))
-                else:
-                    misses.append(i)
-        try:
-            for i, entry in hits:
-                _copy_row(dst[i], entry.data)
-        finally:
-            with self._lock:
-                for _, entry in hits:
-                    entry.pins -= 1
-        return misses
+        return hits
+
+    def _unpin(self, hits: list[tuple[int, _Entry]]) -> None:
+        """Release the pins :meth:`_pin_hits` took."""
+        with self._lock:
+            for _, entry in hits:
+                entry.pins -= 1
 
     def _promote_row(
         self,
