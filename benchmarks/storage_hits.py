@@ -31,8 +31,9 @@ Variants (``--variants``): ``blockwise`` (``Cache|Posix``), ``layerwise`` (the s
 ``enable_record_traces: true``: the cost of the JSONL trace), ``blockwise_quiet`` (``blockwise`` with
 ``enable_metrics: false``; UCM's metrics are on in every other UCM variant), ``blockwise_events`` (``blockwise`` with
 vLLM's KV events on, ``--kv-events-config`` with a ZMQ publisher, drained by a subscriber in this process: with
-``--reference blockwise_quiet``, the cost of metrics and events together), and ``recompute`` (no connector: the
-prompt is computed).
+``--reference blockwise_quiet``, the cost of metrics and events together), ``example`` (vLLM's own
+``ExampleConnector``, safetensors files per prompt in its own directory, read from disk like UCM's; each of its
+requests must log ExampleConnector's hit line), and ``recompute`` (no connector: the prompt is computed).
 Each UCM variant has its own fresh store directory, filled by serving every prompt once before the rounds.
 
 ``--suffix-tokens S`` appends S tokens of new real text (different in every round, the same for every variant of
@@ -82,7 +83,7 @@ from benchmarks.common import (  # noqa: E402
     utc_now,
     versions,
 )
-from benchmarks.e2e_ttft import QUESTIONS  # noqa: E402
+from benchmarks.e2e_ttft import EXAMPLE_HIT_LINE, QUESTIONS, example_connector  # noqa: E402
 from benchmarks.plots import png_beside, ttft_boxplot  # noqa: E402
 from ucm.testing.engine import HIT_RE, ucm_transfer_config  # noqa: E402
 from ucm.testing.models import ensure_smollm2  # noqa: E402
@@ -114,8 +115,12 @@ VARIANTS: dict[str, UcmVariant | None] = {  # None: no connector
     "blockwise_traces": UcmVariant("Cache|Posix", traces=True),
     "blockwise_quiet": UcmVariant("Cache|Posix", metrics=False),
     "blockwise_events": UcmVariant("Cache|Posix", kv_events=True),
+    "example": None,  # vLLM's ExampleConnector (see EXAMPLE)
     "recompute": None,
 }
+# The variant served by vLLM's own ExampleConnector (safetensors files per prompt, in its own directory): the
+# simplest storage connector vLLM ships, which UCM's storage hit must beat (issue 36).
+EXAMPLE = "example"
 DEFAULT_VARIANTS = ("blockwise", "layerwise", "compressed", "recompute")
 
 
@@ -293,6 +298,16 @@ def measure(v: Variant, model: str, prompt: str, problems: list[str], label: str
             external = int(new[0][3])
             if external < args.prompt_blocks:
                 problems.append(f"{v.name} {label}: hit external {external} of {args.prompt_blocks} stored blocks")
+    elif v.name == EXAMPLE:
+        seen, v.hit_lines_seen = v.hit_lines_seen, hit_lines(v)
+        if v.hit_lines_seen == seen:
+            problems.append(f"{v.name} {label}: no '{EXAMPLE_HIT_LINE}' line: ExampleConnector did not load")
+
+
+def hit_lines(v: Variant) -> int:
+    """How many hit lines ``v``'s server has logged: UCM's lookup lines, or ExampleConnector's load lines."""
+    log = v.server.read_log()
+    return log.count(EXAMPLE_HIT_LINE) if v.name == EXAMPLE else len(HIT_RE.findall(log))
 
 
 def summarize(variants: list[Variant], reference: str) -> dict[str, Any]:
@@ -424,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             spec = VARIANTS[name]
             transfer = None
             extra_args = ["--no-enable-prefix-caching"]
-            if spec is not None:
+            if name == EXAMPLE:
+                transfer = example_connector(args.store_root / name)
+            elif spec is not None:
                 transfer = ucm_transfer_config(ucm_extra(args.store_root / name, spec, cache_gb))
                 if spec.kv_events:
                     drains[name] = EventDrain()
@@ -444,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             for prompt in prompts:
                 stream_completion(f"{v.server.url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
-            v.hit_lines_seen = len(HIT_RE.findall(v.server.read_log()))
+            v.hit_lines_seen = hit_lines(v)
         rng = random.Random(args.seed)
         for r in range(args.rounds):
             prompt = prompts[r % len(prompts)] + suffixes[r]

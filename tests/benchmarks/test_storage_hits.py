@@ -87,7 +87,7 @@ def test_tiny_run_measures_storage_hits(tmp_path: Path) -> None:
     out = tmp_path / "summary.json"
     cmd = [
         sys.executable, str(SCRIPT), "--model", str(model), "--variants", "blockwise", "layerwise", "blockwise_events",
-        "--rounds", "2", "--prompt-tokens", "512", "--prompts", "2", "--gap-s", "0.2", "--min-idle", "0",
+        "example", "--rounds", "2", "--prompt-tokens", "512", "--prompts", "2", "--gap-s", "0.2", "--min-idle", "0",
         "--page-cache", "fadvise_dontneed", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -96,7 +96,7 @@ def test_tiny_run_measures_storage_hits(tmp_path: Path) -> None:
     assert summary == json.loads(out.read_text())
     assert summary["plot"] == str(tmp_path / "summary.png")  # the TTFT plot, beside the JSON
     assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert summary["problems"] == []  # every measured request was a UCM hit of every full block
+    assert summary["problems"] == []  # every measured request was a UCM hit of every full block (or ExampleConnector's)
     assert summary["prompt_full_blocks"] == 4
     kv_mb = summary["prompt_kv_mb"]
     for name in ("blockwise", "layerwise", "blockwise_events"):
@@ -104,6 +104,7 @@ def test_tiny_run_measures_storage_hits(tmp_path: Path) -> None:
         assert len(entry["ttft_ms"]) == 2 and all(t > 0 for t in entry["ttft_ms"])
         # The blocks came from disk: page cache emptied, DRAM tier evicted by the other prompt.
         assert entry["disk_read_mb_median"] >= kv_mb, (name, entry, kv_mb)
+    assert len(summary["variants"]["example"]["ttft_ms"]) == 2  # vLLM's ExampleConnector, its hit line checked
     ratio = summary["variants"]["layerwise"]["over_blockwise"]
     assert ratio["rounds"] == 2 and ratio["ci95"][0] <= ratio["median"] <= ratio["ci95"][1]
     assert summary["first_token_same_in_all_variants"] == "2/2 rounds"
