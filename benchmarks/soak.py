@@ -32,15 +32,16 @@ instance was killed by the soak is ``aborted_by_kill``; any other failure is an 
 Reported (the last line printed is a JSON object): requests sent, matched, near ties, mismatched (and the first 20
 mismatches: instance, incarnation, prompt length, first differing position, the reference's top-2 log-probabilities
 there, both outputs, and with ``--keep-logs`` the prompt's token ids), hung, errors by kind, faults by kind, kills
-and unexpected engine exits (a UCM instance that died without being killed is restarted and counted as
-``crashes``; a restart that fails to start is retried and listed in ``restart_failures``), TTFT p50/p99 of the UCM
-instances (ms, client side), and, every ``--sample-interval-s``: the hit rate of the interval
-(UCM's per-request log lines: external-hit blocks over full prompt blocks), each instance's RSS (MiB, all processes
-of its group) and open file descriptors, the reference server's, and ``/dev/shm`` use. ``rss_growth_last_half`` is
-each instance's RSS growth over the second half of the run (its incarnation since the last restart, when it was
-restarted then), and the reference's, the baseline: vLLM's own growth under the same load; ``verify`` is
-``python -m ucm.store verify`` on the store at the end (the servers stopped). A PNG of hit rate and memory over time
-is written beside ``--out`` (or at ``--plot``).
+and unexpected engine exits (a UCM instance that died without being killed is restarted and counted as ``crashes``;
+a restart that fails to start is retried and listed in ``restart_failures``), TTFT p50/p99 of the UCM instances (ms,
+client side), and, every ``--sample-interval-s``: the hit rate of the interval (UCM's per-request log lines:
+external-hit blocks over full prompt blocks), each instance's RSS (MiB, all processes of its group, and its parts:
+anonymous, file-backed and shared memory) and open file descriptors, the reference server's, and ``/dev/shm`` use.
+``rss_growth_last_half`` is each instance's RSS growth over the second half of the run (its incarnation since the
+last restart, when it was restarted then), and the reference's, the baseline: vLLM's own growth under the same load
+(``rss_parts_growth_last_half``: the same for each part); ``verify`` is ``python -m ucm.store verify`` on the store
+at the end (the servers stopped). A PNG of hit rate and memory over time is written beside ``--out`` (or at
+``--plot``).
 
 Memory allocator (``--malloc``): vLLM's CPU guide preloads tcmalloc into every server (``LD_PRELOAD``); its wheel
 here ships none and vLLM warns at start. ``tcmalloc`` preloads Debian's ``libtcmalloc_minimal.so.4`` (package
@@ -452,16 +453,24 @@ class Faults:
 
 
 # ------------------------------------------------------------------------------------------------ watching
-def group_usage(pids: list[int]) -> tuple[float, int]:
-    """RSS (MiB) and open file descriptors of ``pids`` together (processes that vanished are skipped)."""
-    rss_kib, fds = 0, 0
+# The parts of RSS that /proc/PID/status gives (kB): VmRSS = RssAnon (heap, stacks, anonymous mappings) + RssFile
+# (mapped files: libraries, model weights) + RssShmem (shared memory: /dev/shm, which vLLM's processes map).
+RSS_PARTS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+
+
+def group_usage(pids: list[int]) -> tuple[dict[str, float], int]:
+    """RSS (MiB) and open file descriptors of ``pids`` together (processes that vanished are skipped); the RSS as
+    ``rss`` and its parts ``anon``, ``file``, ``shmem`` (see :data:`RSS_PARTS`)."""
+    kib = dict.fromkeys(RSS_PARTS.values(), 0)
+    fds = 0
     for pid in pids:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    rss_kib += int(line.split()[1])
+                name, _, value = line.partition(":")
+                if name in RSS_PARTS:
+                    kib[RSS_PARTS[name]] += int(value.split()[0])
             fds += len(os.listdir(f"/proc/{pid}/fd"))
-    return rss_kib / 1024, fds
+    return {part: round(k / 1024, 1) for part, k in kib.items()}, fds
 
 
 def shm_mib() -> float:
@@ -490,38 +499,45 @@ async def watch(
                     blocks += int(m[1]) - int(m[2])
                     hits += int(m[3])
                 inst.log_offset = len(lines)
-            rss, fds = group_usage(inst.server.pids()) if inst.alive else (0.0, 0)
-            row[f"ucm{inst.index}_rss_mib"] = round(rss, 1)
+            usage, fds = group_usage(inst.server.pids()) if inst.alive else (dict.fromkeys(RSS_PARTS.values(), 0.0), 0)
+            for part, mib in usage.items():
+                row[f"ucm{inst.index}_{part}_mib"] = mib
             row[f"ucm{inst.index}_fds"] = fds
             row[f"ucm{inst.index}_incarnation"] = inst.incarnation
-        rss, fds = group_usage(fleet.reference.pids())
-        row["reference_rss_mib"], row["reference_fds"] = round(rss, 1), fds
+        usage, fds = group_usage(fleet.reference.pids())
+        for part, mib in usage.items():
+            row[f"reference_{part}_mib"] = mib
+        row["reference_fds"] = fds
         row["hit_rate"] = round(hits / blocks, 3) if blocks else None
         timeline.append(row)
         print(f"[soak] {json.dumps(row)}", file=sys.stderr, flush=True)
 
 
-def rss_growth_last_half(timeline: list[dict[str, Any]], instances: int) -> dict[str, float | None]:
-    """Per instance: RSS at the end over RSS at mid-run (or at its last restart after mid-run), minus 1; and the
-    same for the reference server (``reference``, never restarted), where the timeline has it."""
+def rss_growth_last_half(timeline: list[dict[str, Any]], instances: int, part: str = "rss") -> dict[str, float | None]:
+    """Per instance: RSS (or its ``part``, see :data:`RSS_PARTS`) at the end over the same at mid-run (or at its last
+    restart after mid-run), minus 1; and the same for the reference server (``reference``, never restarted), where
+    the timeline has it."""
     out: dict[str, float | None] = {}
     if not timeline:
         return out
     mid = timeline[-1]["t_s"] / 2
-    ref = [r for r in timeline if r.get("reference_rss_mib")]
+    field = f"{part}_mib"
+    ref = [r for r in timeline if r.get(f"reference_{field}")]
     if ref:
         start = next((r for r in ref if r["t_s"] >= mid), None)
         grew = start is not None and start is not ref[-1]
-        out["reference"] = round(ref[-1]["reference_rss_mib"] / start["reference_rss_mib"] - 1, 4) if grew else None
+        out["reference"] = (
+            round(ref[-1][f"reference_{field}"] / start[f"reference_{field}"] - 1, 4) if grew and start else None
+        )
     for i in range(instances):
-        rows = [r for r in timeline if r[f"ucm{i}_rss_mib"] > 0]
+        rows = [r for r in timeline if r.get(f"ucm{i}_{field}", 0) > 0]
         last = rows[-1] if rows else None
         same = [r for r in rows if last is not None and r[f"ucm{i}_incarnation"] == last[f"ucm{i}_incarnation"]]
         start = next((r for r in same if r["t_s"] >= mid), None)
         if last is None or start is None or start is last:
             out[f"ucm{i}"] = None
             continue
-        out[f"ucm{i}"] = round(last[f"ucm{i}_rss_mib"] / start[f"ucm{i}_rss_mib"] - 1, 4)
+        out[f"ucm{i}"] = round(last[f"ucm{i}_{field}"] / start[f"ucm{i}_{field}"] - 1, 4)
     return out
 
 
@@ -649,6 +665,10 @@ async def soak(args: argparse.Namespace, fleet: Fleet, work: Workload) -> tuple[
         "restart_failures": faults.restart_failures,
         "timeline": timeline,
         "rss_growth_last_half": rss_growth_last_half(timeline, args.instances),
+        # the same for RSS's parts: which of them grew (heap, mapped files, shared memory)
+        "rss_parts_growth_last_half": {
+            part: rss_growth_last_half(timeline, args.instances, part) for part in ("anon", "file", "shmem")
+        },
     }, faults.injected
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,16 @@ def test_rss_growth_is_taken_within_one_incarnation(bench: ModuleType) -> None:
     for r, ref in zip(rows, (500.0, 520.0, 530.0, 546.0), strict=True):
         r["reference_rss_mib"] = ref
     assert bench.rss_growth_last_half(rows, 1) == {"ucm0": 0.1, "reference": 0.05}  # from t=60 s (mid-run: 50 s)
+    for r, anon in zip(rows, (50.0, 40.0, 30.0, 36.0), strict=True):  # a part of RSS, from the same rows
+        r["ucm0_anon_mib"] = anon
+    assert bench.rss_growth_last_half(rows, 1, "anon") == {"ucm0": 0.2}
+
+
+def test_group_usage_splits_rss_into_its_parts(bench: ModuleType) -> None:
+    usage, fds = bench.group_usage([os.getpid(), 2**22 + 1])  # the second: no such process, skipped
+    assert set(usage) == {"rss", "anon", "file", "shmem"} and fds > 0
+    assert usage["anon"] > 0 and usage["file"] > 0
+    assert usage["rss"] == pytest.approx(usage["anon"] + usage["file"] + usage["shmem"], abs=0.3)
 
 
 def test_bad_options_are_named(bench: ModuleType, capsys: Any) -> None:
@@ -74,4 +85,5 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert summary["verify"]["damaged_other"] == [], summary["verify"]  # damage left by UCM, not by the faults
     assert sum(n for kind, n in summary["faults"].items() if "failed" not in kind) >= 5, summary["faults"]
     assert summary["timeline"] and (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
-    assert all(r["reference_rss_mib"] > 0 for r in summary["timeline"])
+    assert all(r["reference_rss_mib"] > 0 and r["ucm0_anon_mib"] > 0 for r in summary["timeline"])
+    assert set(summary["rss_parts_growth_last_half"]) == {"anon", "file", "shmem"}
