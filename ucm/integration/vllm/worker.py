@@ -35,7 +35,7 @@ the next one (which async scheduling plans before vLLM knows of the failure), ar
 to the scheduler (``UCMWorkerMetadata.dropped_keys``), which dumps those blocks again at a later step, once they hold
 the recomputed KV (:meth:`UCMScheduler.redo_dumps <ucm.integration.vllm.scheduler.UCMScheduler.redo_dumps>`).
 
-Dumps in flight are bounded (``max_inflight_dump_bytes``: the connector passes twice the load buffer's bytes): each
+Dumps in flight are bounded (``max_inflight_dump_bytes``: the connector passes twice one request's dump buffer): each
 holds its staging buffer until the store has written it through every stage, so a store that falls behind (a slow
 or stalled disk under load) would otherwise make the process hold one buffer per step for as long as it lags. A step
 whose dump would go past the bound, while earlier dumps are still in flight, gathers nothing and defers its dump: its
