@@ -514,10 +514,9 @@ class UCMWorker:
         """Whether this step's dump may take a staging buffer: always when it is durable (the step waits for it, so
         it does not stay in flight) or no dump is in flight, else when the buffers held by dumps in flight plus this
         one's stay within ``max_inflight_dump_bytes``. Otherwise its keys are handed back to the scheduler to dump
-        later (see the module docstring) and False is returned."""
+        later (see the module docstring) and False is returned. The caller has reaped the dumps done."""
         if self._max_inflight_dump_bytes is None or any(t.durable for t in meta.dumps):
             return True
-        self._reap_dumps(block=False)
         if not self._pending_dumps:
             return True
         keys, _ = self._flatten(meta.dumps)
@@ -684,6 +683,7 @@ class UCMWorker:
         if self._layer_dump_deferred:
             return
         if self._layer_dump is None:
+            self._reap_dumps(block=False)  # the step's first layer: give back the dumps done since the last step
             if not self._admit_dump(meta):
                 self._layer_dump_deferred = True
                 return

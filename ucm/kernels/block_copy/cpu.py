@@ -108,11 +108,8 @@ def staging_rows(staging: torch.Tensor | Sequence[torch.Tensor], esize: int) -> 
     """The staging side of a copy as the kernels take it: ``(block_addrs, s_layer, span)``: int64 numpy ``[n]``
     byte addresses of each canonical block's ``[num_layers, *shard]`` row, the stride between its layers and the
     elements from a row's first element to one past its last (``staging``: a ``[n, num_layers, *shard]`` view or
-    ``n`` blocks ``[num_layers, *shard]`` of equal strides; shard dims contiguous; ``esize``: bytes per element).
-
-    Raises:
-        ValueError: a list of blocks whose shapes or strides differ.
-    """
+    ``n`` blocks ``[num_layers, *shard]`` of equal strides, as ``ops`` validates them; shard dims contiguous;
+    ``esize``: bytes per element)."""
     import numpy as np
 
     if isinstance(staging, torch.Tensor):
@@ -121,8 +118,6 @@ def staging_rows(staging: torch.Tensor | Sequence[torch.Tensor], esize: int) -> 
         shape, strides = staging.shape[1:], staging.stride()[1:]
     else:
         shape, strides = staging[0].shape, staging[0].stride()
-        if any(b.shape != shape or b.stride() != strides for b in staging):
-            raise ValueError(f"staging blocks differ in shape or strides; all must be {tuple(shape)} {strides}")
         block_addrs = np.array([b.data_ptr() for b in staging], dtype=np.int64)
     span = 1 + sum((d - 1) * st for d, st in zip(shape, strides, strict=True))
     return block_addrs, strides[0], span
