@@ -123,20 +123,19 @@ def test_restart_loads_prefix_and_output_is_identical(cold, restarted):
     assert len(prefaulted) == 1, stderr[-3000:]  # the worker's store only (the scheduler's is not prepared)
     count, nbytes = int(prefaulted[0][0]), int(prefaulted[0][1])
     assert count == int(PREFAULT_GB * 2**30) // nbytes > -(-2048 // BLOCK_SIZE)  # more than one request's blocks
-    # The load buffer was paged in at start, sized for one request of max_model_len (2048) tokens, and so was a dump
-    # buffer of at least that many blocks (a power of two: the dump buffers' pool sizes); dumps in flight hold at most
-    # two of those.
+    # The load buffer was paged in at start, sized for one request of max_model_len (2048) tokens, and so was the
+    # dumps' staging arena, of twice those blocks: all the host memory dumps in flight hold.
     registered = re.findall(
-        r"block (\d+) tokens, ([\d.]+) MiB per block, .* load buffer of (\d+) blocks, .* dump buffer of (\d+) blocks, "
-        r".* dumps in flight up to (\d+) MiB",
+        r"block (\d+) tokens, ([\d.]+) MiB per block, .* load buffer of (\d+) blocks, .* dump staging arena of "
+        r"(\d+) blocks, (\d+) MiB",
         stderr,
     )
     assert len(registered) == 1, stderr[-3000:]
-    block_size, block_mib, load_blocks, dump_blocks, inflight_mib = registered[0]
+    block_size, block_mib, load_blocks, dump_blocks, arena_mib = registered[0]
     request_blocks = -(-2048 // int(block_size))
     assert int(load_blocks) == request_blocks
-    assert int(dump_blocks) == 1 << (request_blocks - 1).bit_length()
-    assert int(inflight_mib) == round(2 * int(dump_blocks) * float(block_mib))  # two such dumps in flight at most
+    assert int(dump_blocks) == 2 * request_blocks
+    assert int(arena_mib) == round(int(dump_blocks) * float(block_mib))
     if len(os.sched_getaffinity(0)) > 1:  # vLLM binds the worker's main thread to one core; UCM's threads are not
         assert "[UC][I] UCM threads run on CPUs 0-" in stderr
 

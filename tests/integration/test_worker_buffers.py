@@ -1,9 +1,9 @@
-"""The worker's host buffers: the dump buffers' pool (``ucm.integration.vllm.staging``) and loads in rounds of the
+"""The worker's host buffers: the dumps' staging arena (``ucm.integration.vllm.staging``) and loads in rounds of the
 load buffer's size.
 
 Without an engine: a real ``Cache|Posix`` store in a temporary directory (write-backs finish in the background, so
-dumps are still in flight when later ones take buffers), real paged tensors; every block dumped through a reused
-buffer, or loaded in rounds, is compared bit for bit with the paged KV it was
+dumps are still in flight when later ones take buffers), real paged tensors; every block dumped through reused
+rows of the arena, or loaded in rounds, is compared bit for bit with the paged KV it was
 gathered from. Rounds past the load deadline: ``test_load_deadline_worker.py``.
 """
 
@@ -18,7 +18,7 @@ from tests.integration.helpers import paged_caches
 from tests.store.helpers import DictStore
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
-from ucm.integration.vllm.staging import StagingPool
+from ucm.integration.vllm.staging import StagingArena
 from ucm.integration.vllm.worker import UCMWorker
 from ucm.kernels import gather_blocks
 from ucm.kernels.layouts import KVLayout
@@ -33,59 +33,65 @@ BLOCK_SHAPE = (3, 2, 16, 2, 8)
 BLOCK_NBYTES = 3 * 2 * 16 * 2 * 8 * 2
 
 
-@pytest.mark.parametrize(("n", "cap"), [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (100, 128)])
-def test_capacity_is_the_next_power_of_two(n: int, cap: int) -> None:
-    assert StagingPool.capacity(n) == cap
-    assert StagingPool(BLOCK_SHAPE, torch.bfloat16, 0).take(n).shape == (cap, *BLOCK_SHAPE)
+def arena_rows(arena: StagingArena, rows: torch.Tensor) -> range:
+    """The arena rows a run from ``take`` covers."""
+    first = (rows.data_ptr() - arena.buffer.data_ptr()) // BLOCK_NBYTES
+    return range(first, first + rows.shape[0])
 
 
-def test_a_buffer_given_back_serves_the_next_take_of_its_size() -> None:
-    pool = StagingPool(BLOCK_SHAPE, torch.bfloat16, 1 << 20)
-    a, b = pool.take(3), pool.take(3)
-    assert a.data_ptr() != b.data_ptr()
-    pool.give(a)
-    assert pool.idle_bytes == 4 * BLOCK_NBYTES
-    assert pool.take(5).data_ptr() != a.data_ptr()  # too small for 5 blocks: a new buffer
-    assert pool.take(4).data_ptr() == a.data_ptr()
-    assert pool.idle_bytes == 0
-    assert (pool.taken, pool.reused) == (4, 1)
+def test_runs_are_taken_first_fit_and_merge_when_given_back() -> None:
+    arena = StagingArena(8, BLOCK_SHAPE, torch.bfloat16)
+    a, b, c = arena.take(3), arena.take(2), arena.take(3)
+    assert a is not None and b is not None and c is not None
+    assert [arena_rows(arena, r) for r in (a, b, c)] == [range(0, 3), range(3, 5), range(5, 8)]
+    assert a.shape == (3, *BLOCK_SHAPE) and arena.blocks_in_use == 8
+    assert arena.take(1) is None and arena.largest_free == 0
+    arena.give(b)
+    assert arena.take(3) is None and arena.largest_free == 2  # 2 rows free: no run of 3
+    arena.give(a)  # merges with b's rows: one run of 5
+    assert arena.largest_free == 5
+    d = arena.take(4)
+    assert d is not None and arena_rows(arena, d) == range(0, 4)  # the lowest rows free
+    arena.give(c)  # merges with row 4: rows 4-7
+    assert arena.largest_free == 4 and arena.blocks_in_use == 4
+    arena.give(d)
+    assert arena.largest_free == 8 and arena.blocks_in_use == 0 and arena.taken_runs == 4
 
 
-def test_take_picks_the_smallest_idle_buffer_large_enough() -> None:
-    pool = StagingPool(BLOCK_SHAPE, torch.bfloat16, 1 << 20)
-    big, small, tiny = pool.take(16), pool.take(4), pool.take(1)
-    for buffer in (big, small, tiny):
-        pool.give(buffer)
-    assert pool.take(3).data_ptr() == small.data_ptr()
-    assert pool.take(2).data_ptr() == big.data_ptr()  # the only one left with 2 blocks
-    assert pool.take(1).data_ptr() == tiny.data_ptr()
-    assert pool.idle_bytes == 0 and pool.reused == 3
+def test_a_run_is_given_back_once_and_only_to_its_arena() -> None:
+    arena = StagingArena(4, BLOCK_SHAPE, torch.bfloat16)
+    run = arena.take(2)
+    assert run is not None
+    with pytest.raises(ValueError, match="not a run taken here"):
+        arena.give(torch.empty((2, *BLOCK_SHAPE), dtype=torch.bfloat16))  # not the arena's memory
+    with pytest.raises(ValueError, match="not a run taken here"):
+        arena.give(run[1:])  # part of a run
+    assert not arena.owns(torch.empty(1)) and arena.owns(run)
+    arena.give(run)
+    with pytest.raises(ValueError, match="not a run taken here"):
+        arena.give(run)  # twice
+    assert arena.largest_free == 4
 
 
-def test_idle_bytes_are_bounded_the_oldest_freed_first() -> None:
-    pool = StagingPool(BLOCK_SHAPE, torch.bfloat16, 6 * BLOCK_NBYTES)
-    old, new, one, big = pool.take(4), pool.take(2), pool.take(1), pool.take(8)
-    pool.give(old)
-    pool.give(new)
-    assert pool.idle_bytes == 6 * BLOCK_NBYTES
-    pool.give(one)  # 7 blocks idle: the 4-block buffer, given back first, is freed
-    assert pool.idle_bytes == 3 * BLOCK_NBYTES
-    assert pool.take(2).data_ptr() == new.data_ptr()
-    pool.give(big)  # larger than the bound: freed at once, with everything else
-    assert pool.idle_bytes == 0
+def test_page_in_writes_every_row_and_an_empty_arena_hands_out_nothing() -> None:
+    arena = StagingArena(3, BLOCK_SHAPE, torch.bfloat16)
+    arena.page_in()
+    assert bool((arena.buffer.view(torch.uint8) == 0).all())
+    empty = StagingArena(0, BLOCK_SHAPE, torch.bfloat16)
+    assert empty.take(1) is None and empty.largest_free == 0
 
 
 @pytest.mark.parametrize(
-    ("args", "match"), [((BLOCK_SHAPE, torch.bfloat16, -1), "max_idle_bytes"), (((), torch.bfloat16, 0), "block_shape")]
+    ("args", "match"), [((-1, BLOCK_SHAPE, torch.bfloat16), "num_blocks"), ((2, (), torch.bfloat16), "block_shape")]
 )
 def test_bad_arguments(args: tuple, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        StagingPool(*args)
+        StagingArena(*args)
 
 
 def test_take_needs_a_block() -> None:
     with pytest.raises(ValueError, match="got 0"):
-        StagingPool(BLOCK_SHAPE, torch.bfloat16, 0).take(0)
+        StagingArena(2, BLOCK_SHAPE, torch.bfloat16).take(0)
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["blockwise", "layerwise"])
@@ -110,8 +116,9 @@ def test_dumps_through_reused_buffers_store_the_right_kv(tmp_path: Path, layerwi
             store.flush()  # these dumps are done: the next step's reap gives their buffers back
     writer.shutdown()
     store.flush()
-    pool = writer._dump_pool
-    assert pool is not None and pool.taken == len(sizes) and 0 < pool.reused < len(sizes)
+    arena = writer._dump_arena  # 16 rows: the 30 blocks went through reused rows, all given back
+    assert arena is not None and arena.num_blocks == 16 and arena.taken_runs == len(sizes)
+    assert arena.blocks_in_use == 0
 
     reader_caches = paged_caches(SPEC, NUM_BLOCKS, seed=None)  # NaN: a block not loaded shows
     reader = UCMWorker(SPEC, PosixStore(str(tmp_path / "kv")), lambda _c: KVLayout.CPU_ATTN, load_buffer_blocks=8)
@@ -205,19 +212,19 @@ def store_block(store: CacheStore, key: bytes) -> torch.Tensor:
 @pytest.mark.parametrize("layerwise", [False, True], ids=["blockwise", "layerwise"])
 def test_dumps_in_flight_are_bounded_and_the_rest_deferred(layerwise: bool, caplog: pytest.LogCaptureFixture) -> None:
     """While the store holds its write-backs (a DictStore below the Cache stage, released by the test), dumps in
-    flight keep their staging buffers; a step whose dump would go past ``max_inflight_dump_bytes`` gathers nothing
-    and hands its keys back to the scheduler (``dropped_keys``), with one warning. Once the store catches up, the
-    next step's dump is taken again, and every dump taken is stored bit-exact."""
+    flight keep their rows of the staging arena (6 blocks here); a step whose blocks find no free run long enough
+    dumps the first ones that fit and hands the rest back to the scheduler (``dropped_keys``), with one warning; a
+    step that finds the arena full gathers nothing. Once the store catches up, dumps are taken whole again, and every
+    block dumped is stored bit-exact."""
     below = DictStore()
     below.release.clear()
     store = CacheStore(below, capacity_bytes=1 << 24)
     caches = paged_caches(SPEC, NUM_BLOCKS, seed=11)
     worker = UCMWorker(
-        SPEC, store, lambda _c: KVLayout.CPU_ATTN, layerwise=layerwise, load_buffer_blocks=8,
-        max_inflight_dump_bytes=6 * BLOCK_NBYTES,
-    )  # fmt: skip
+        SPEC, store, lambda _c: KVLayout.CPU_ATTN, layerwise=layerwise, load_buffer_blocks=8, dump_buffer_blocks=6
+    )
     worker.register_kv_caches(caches)
-    assert "dumps in flight up to" in caplog.text
+    assert "dump staging arena of 6 blocks" in caplog.text
     seen: list[Observation] = []
     worker.recorder = Recorder()
     worker.recorder.add_sink(seen.append)
@@ -230,26 +237,56 @@ def test_dumps_in_flight_are_bounded_and_the_rest_deferred(layerwise: bool, capl
         worker.wait_for_save(meta)
         return keys
 
-    first = step(0, 3)  # a 4-block buffer, held by the stalled write-back
+    first = step(0, 3)  # rows 0-2, held by the stalled write-back
     assert below.dump_started.wait(timeout=10)
     assert worker.take_worker_meta().dropped_keys == []  # type: ignore[union-attr]
-    second = step(1, 2)  # 4 + 2 blocks: within the bound
-    third = step(2, 3)  # 4 + 2 + 4 > 6: deferred, nothing gathered
+    second = step(1, 2)  # rows 3-4
+    third = step(2, 3)  # one row left: the first block dumped, the other two deferred
     meta = worker.take_worker_meta()
-    assert meta is not None and meta.dropped_keys == third
-    assert len(worker._pending_dumps) == 2
-    assert "the store is behind: 2 dumps in flight" in caplog.text
-    assert [(o.op, o.tier, o.blocks, o.requests) for o in seen] == [("dump_deferred", "all", 3, ("r2",))]
+    assert meta is not None and meta.dropped_keys == third[1:]
+    fourth = step(3, 2)  # the arena is full: nothing gathered
+    meta = worker.take_worker_meta()
+    assert meta is not None and meta.dropped_keys == fourth
+    assert len(worker._pending_dumps) == 3
+    assert "the store is behind: 2 dumps in flight hold 5 of the 6 blocks" in caplog.text  # one warning per 30 s
+    assert [(o.op, o.tier, o.blocks, o.requests) for o in seen] == [
+        ("dump_deferred", "all", 2, ("r2",)),
+        ("dump_deferred", "all", 2, ("r3",)),
+    ]
     below.release.set()
     store.flush()
-    again = step(3, 3)  # the store caught up: taken
+    again = step(4, 3)  # the store caught up: taken whole
     store.flush()
     worker.shutdown()
-    stored = first + second + again
-    assert set(below.blocks) == set(stored) and not set(third) & set(below.blocks)
+    assert worker._dump_arena is not None and worker._dump_arena.blocks_in_use == 0
+    stored = first + second + third[:1] + again
+    assert set(below.blocks) == set(stored)
     paged = [caches[name] for name in LAYERS]
-    for i, keys in ((0, first), (1, second), (3, again)):
+    for i, keys in ((0, first), (1, second), (2, third[:1]), (4, again)):
         want = gather_blocks(paged, torch.arange(4 * i, 4 * i + len(keys)), KVLayout.CPU_ATTN, impl="reference")
         for j, key in enumerate(keys):
             assert torch.equal(below.blocks[key], want[j].reshape(-1).view(torch.uint8)), (i, j)
     store.close()
+
+
+def test_a_durable_dump_is_never_deferred(tmp_path: Path) -> None:
+    """A worker without a staging arena defers every dump, except a durable one (a PD prefill), which gets a buffer
+    of its own and is in the store when the step ends."""
+    store = PosixStore(str(tmp_path / "kv"))
+    caches = paged_caches(SPEC, NUM_BLOCKS, seed=13)
+    worker = UCMWorker(SPEC, store, lambda _c: KVLayout.CPU_ATTN, load_buffer_blocks=4, dump_buffer_blocks=0)
+    worker.register_kv_caches(caches)
+    plain = [bytes([1, j]) * 8 for j in range(2)]
+    worker.wait_for_save(UCMConnectorMetadata(dumps=[BlockTransfer("p", plain, [0, 1])]))
+    meta = worker.take_worker_meta()
+    assert meta is not None and meta.dropped_keys == plain
+    durable = [bytes([2, j]) * 8 for j in range(3)]
+    worker.wait_for_save(UCMConnectorMetadata(dumps=[BlockTransfer("d", durable, [5, 6, 7], durable=True)]))
+    assert store.lookup(durable) == 3 and store.lookup(plain) == 0  # stored before wait_for_save returned
+    meta = worker.take_worker_meta()
+    assert meta is not None and meta.dropped_keys == [] and meta.stored_keys == durable
+    out = torch.empty((3, BLOCK_NBYTES), dtype=torch.uint8)
+    assert store.load(durable, out).result().ok
+    want = gather_blocks([caches[n] for n in LAYERS], torch.tensor([5, 6, 7]), KVLayout.CPU_ATTN, impl="reference")
+    assert torch.equal(out, want.reshape(3, -1).view(torch.uint8))
+    worker.shutdown()

@@ -1,89 +1,120 @@
-"""Reusable host buffers for the worker's dumps.
+"""The worker's host memory for dumps: one staging arena, allocated and paged in once.
 
-A dump gathers the step's newly full blocks into a staging buffer that the store reads until the dump's task is
-done, so a buffer per dump is needed, of a size that changes every step (1 to hundreds of blocks of up to a few
-MiB each). A fresh ``torch.empty`` per dump pays the page faults of fresh memory on the step's path, and under a
-long load it fragments the process heap: glibc's malloc raises its mmap threshold to the size of the largest chunk
-freed (up to 32 MiB), after which buffers of varying size below it come from the heap, whose free gaps are rarely
-the size asked for next, so the heap keeps growing. :class:`StagingPool` hands out buffers of a power-of-two
-number of blocks (the smallest idle one large enough, else a new one) and takes them back when the store is done
-with them, keeping the most recently given back up to a bound on the bytes it holds idle.
+A dump gathers the step's newly full blocks into staging memory that the store reads until the dump's task is done,
+so every dump in flight holds its own rows, of a count that changes every step (1 to hundreds of blocks of up to a
+few MiB each). Buffers allocated per dump, or kept in a pool of varying sizes, come from the process's allocator
+(glibc's malloc, or tcmalloc where it is preloaded as vLLM's CPU guide advises), which keeps freed memory for reuse
+and whose free gaps are rarely the size asked for next, so the process's memory can keep growing under a long load.
+:class:`StagingArena` is a single ``[num_blocks, *block_shape]`` tensor, allocated once and never freed while the
+worker lives, from which each dump takes a contiguous run of rows and gives it back when the store is done: the
+dumps' host memory is fixed at start, and a dump that finds no run long enough waits for a later step (see
+``ucm.integration.vllm.worker``, "Dumps in flight").
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 
 import torch
 
 
-class StagingPool:
-    """Host buffers of ``[capacity, *block_shape]`` ``dtype``, ``capacity`` a power of two, reused across dumps.
+class StagingArena:
+    """``num_blocks`` rows of ``[*block_shape]`` ``dtype`` in one host tensor, handed out as contiguous runs.
+
+    Runs are taken first fit (the lowest rows free), so the rows in use stay packed at the start and the largest
+    free run stays large; a run given back merges with its free neighbours.
 
     Args:
+        num_blocks: rows of the arena (blocks); 0 makes an arena that hands out nothing.
         block_shape: one block's shape (the canonical ``[num_layers, 2, block_size, num_kv_heads, head_dim]``).
         dtype: the KV dtype.
-        max_idle_bytes: most bytes of buffers kept for reuse while no dump holds them; past it, the buffers given
-            back longest ago are freed (a buffer larger than it is freed at once). In-flight buffers are not
-            bounded here: they are the store's in-flight dumps.
 
     Raises:
-        ValueError: ``max_idle_bytes`` < 0 or an empty ``block_shape``.
+        ValueError: ``num_blocks`` < 0 or an empty ``block_shape``.
     """
 
-    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, max_idle_bytes: int) -> None:
-        if max_idle_bytes < 0:
-            raise ValueError(f"max_idle_bytes must be >= 0, got {max_idle_bytes}")
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if not block_shape:
             raise ValueError("block_shape must not be empty")
-        self._block_shape = tuple(block_shape)
-        self._dtype = dtype
-        self._block_nbytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
-        self._max_idle_bytes = max_idle_bytes
-        self._idle: list[torch.Tensor] = []  # idle buffers, oldest given back first
-        self._idle_bytes = 0
+        self.buffer = torch.empty((num_blocks, *block_shape), dtype=dtype)
+        self._row_nbytes = self.buffer[0].nbytes if num_blocks else 0
+        # Free runs as sorted starts and their lengths; runs taken: start -> length.
+        self._free_starts: list[int] = [0] if num_blocks else []
+        self._free_lengths: list[int] = [num_blocks] if num_blocks else []
+        self._taken: dict[int, int] = {}
         self._lock = threading.Lock()  # give() may come from a store thread's callback
-        self.taken = 0  # buffers handed out by take()
-        self.reused = 0  # of them, buffers given back earlier
+        self.taken_runs = 0  # runs handed out by take()
 
-    @staticmethod
-    def capacity(n: int) -> int:
-        """The buffer size (blocks) that serves ``n`` blocks: the least power of two >= ``n``."""
-        return 1 << max(0, n - 1).bit_length()
+    @property
+    def num_blocks(self) -> int:
+        return self.buffer.shape[0]
 
-    def take(self, n: int) -> torch.Tensor:
-        """A buffer of at least ``n`` blocks (contents unspecified; its first ``n`` rows are the caller's): the
-        smallest idle buffer that has them (the most recently given back of that size), else a new one of
-        :meth:`capacity` ``(n)`` blocks.
+    def page_in(self) -> None:
+        """Write every page of the arena (zeros), so that no dump pays the page faults of fresh memory."""
+        self.buffer.view(torch.uint8).zero_()
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """Rows for a dump of ``n`` blocks: a ``[n, *block_shape]`` view of the arena's first free run of at least
+        ``n`` rows (contents unspecified), or None when no free run has ``n`` rows.
 
         Raises:
             ValueError: ``n`` < 1.
         """
         if n < 1:
-            raise ValueError(f"a staging buffer needs >= 1 block, got {n}")
+            raise ValueError(f"a staging run needs >= 1 block, got {n}")
         with self._lock:
-            self.taken += 1
-            best = -1
-            for i in range(len(self._idle) - 1, -1, -1):  # newest first: its pages are the most likely resident
-                size = self._idle[i].shape[0]
-                if size >= n and (best < 0 or size < self._idle[best].shape[0]):
-                    best = i
-            if best >= 0:
-                buffer = self._idle.pop(best)
-                self._idle_bytes -= buffer.shape[0] * self._block_nbytes
-                self.reused += 1
-                return buffer
-        return torch.empty((self.capacity(n), *self._block_shape), dtype=self._dtype)
+            for i, length in enumerate(self._free_lengths):
+                if length >= n:
+                    start = self._free_starts[i]
+                    if length == n:
+                        del self._free_starts[i], self._free_lengths[i]
+                    else:
+                        self._free_starts[i] += n
+                        self._free_lengths[i] -= n
+                    self._taken[start] = n
+                    self.taken_runs += 1
+                    return self.buffer[start : start + n]
+        return None
 
-    def give(self, buffer: torch.Tensor) -> None:
-        """Take back a buffer from :meth:`take` that nothing reads or writes any more (kept for reuse or freed)."""
+    def give(self, rows: torch.Tensor) -> None:
+        """Take back a run from :meth:`take` that nothing reads or writes any more.
+
+        Raises:
+            ValueError: ``rows`` is not a run this arena handed out (or was given back already).
+        """
+        offset = rows.data_ptr() - self.buffer.data_ptr()
+        start = offset // self._row_nbytes if self._row_nbytes and offset >= 0 else -1
         with self._lock:
-            self._idle.append(buffer)
-            self._idle_bytes += buffer.shape[0] * self._block_nbytes
-            while self._idle_bytes > self._max_idle_bytes:
-                self._idle_bytes -= self._idle.pop(0).shape[0] * self._block_nbytes
+            n = self._taken.get(start)
+            if n is None or start * self._row_nbytes != offset or rows.shape[0] != n:
+                raise ValueError(f"rows at byte offset {offset} of {rows.shape[0]} blocks are not a run taken here")
+            del self._taken[start]
+            i = bisect.bisect(self._free_starts, start)
+            if i < len(self._free_starts) and start + n == self._free_starts[i]:  # merge with the next free run
+                n += self._free_lengths[i]
+                del self._free_starts[i], self._free_lengths[i]
+            if i > 0 and self._free_starts[i - 1] + self._free_lengths[i - 1] == start:  # and with the previous
+                self._free_lengths[i - 1] += n
+            else:
+                self._free_starts.insert(i, start)
+                self._free_lengths.insert(i, n)
+
+    def owns(self, rows: torch.Tensor) -> bool:
+        """Whether ``rows`` lies in this arena's memory."""
+        begin = self.buffer.data_ptr()
+        return begin <= rows.data_ptr() < begin + self.buffer.nbytes
 
     @property
-    def idle_bytes(self) -> int:
-        """Bytes of the buffers kept for reuse."""
-        return self._idle_bytes
+    def largest_free(self) -> int:
+        """Rows of the largest free run: the most blocks one :meth:`take` can get now."""
+        with self._lock:
+            return max(self._free_lengths, default=0)
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Rows held by runs not given back."""
+        with self._lock:
+            return sum(self._taken.values())

@@ -35,7 +35,6 @@ from ucm.integration.vllm.events import MIN_KNOWN_BLOCKS, KVEventTranslator, Res
 from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
 from ucm.integration.vllm.metrics import Observability, UCMConnectorStats, UCMPromMetrics
 from ucm.integration.vllm.scheduler import UCMScheduler
-from ucm.integration.vllm.staging import StagingPool
 from ucm.integration.vllm.version import check_vllm_metadata
 from ucm.integration.vllm.worker import UCMWorker, any_rank_of, load_buffer_blocks
 from ucm.logger import check_level_env, init_logger
@@ -177,11 +176,10 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=tp_size,
                 layerwise=self._ucm_config.use_layerwise,
                 load_buffer_blocks=buffer_blocks,
-                dump_buffer_blocks=request_blocks if dump else 0,
+                # Dumps in flight hold at most two longest requests' blocks (see ucm.integration.vllm.staging).
+                dump_buffer_blocks=2 * request_blocks if dump else 0,
                 load_timeout_s=self._ucm_config.load_timeout_s,
                 any_rank=any_rank,
-                # Dumps in flight hold at most two longest requests' staging buffers.
-                max_inflight_dump_bytes=2 * StagingPool.capacity(request_blocks) * self._spec.block_nbytes,
             )
             self._worker.recorder = self._obs.recorder
             if events:

@@ -35,13 +35,15 @@ the next one (which async scheduling plans before vLLM knows of the failure), ar
 to the scheduler (``UCMWorkerMetadata.dropped_keys``), which dumps those blocks again at a later step, once they hold
 the recomputed KV (:meth:`UCMScheduler.redo_dumps <ucm.integration.vllm.scheduler.UCMScheduler.redo_dumps>`).
 
-Dumps in flight are bounded (``max_inflight_dump_bytes``: the connector passes twice one request's dump buffer): each
-holds its staging buffer until the store has written it through every stage, so a store that falls behind (a slow
-or stalled disk under load) would otherwise make the process hold one buffer per step for as long as it lags. A step
-whose dump would go past the bound, while earlier dumps are still in flight, gathers nothing and defers its dump: its
-keys go to the scheduler like dropped ones, which dumps them at a later step of their requests (from vLLM's KV, still
-there while the request runs); the blocks of requests that finish meanwhile are not stored (a later request
-recomputes them). One warning per 30 s counts them.
+Dumps in flight: each holds its rows of the staging arena (``dump_buffer_blocks`` rows, allocated and paged in at
+start; the connector makes it twice one request of ``max_model_len`` tokens; see :mod:`ucm.integration.vllm.staging`)
+until the store has written them through every stage, so the dumps' host memory never grows, however far a slow or
+stalled store falls behind. A step whose blocks find no free run of rows large enough dumps the blocks that fit (the
+first ones, in request order; none when the arena is full) and defers the rest: their keys go to the scheduler like
+dropped ones, which dumps them at a later step of their requests (from vLLM's KV, still there while the request
+runs); the blocks of requests that finish meanwhile are not stored (a later request recomputes them). One warning
+per 30 s counts them. A durable dump (a prefill another instance will load) is never deferred: without room in the
+arena it takes a buffer of its own, freed when the step's wait for it ends.
 
 Cache reset: a step whose metadata carries a newer ``reset_epoch`` than the worker's starts with :meth:`UCMWorker.reset`
 (called from the connector's ``bind_connector_metadata``, before the step's loads).
@@ -60,7 +62,7 @@ import torch
 from ucm.hashing import rank_keys
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, UCMWorkerMetadata
-from ucm.integration.vllm.staging import StagingPool
+from ucm.integration.vllm.staging import StagingArena
 from ucm.kernels import KVLayout, canonical_block_shape, gather_blocks, scatter_blocks, scatter_layers, warm_up
 from ucm.logger import init_logger
 from ucm.sparse import invalidate_blocks
@@ -110,7 +112,7 @@ class _LayerDump:
     keys: list[bytes]
     block_ids: list[int]
     ids: torch.Tensor  # int64 [n] block ids on the caches' device
-    host: torch.Tensor  # the dump's buffer from the StagingPool (CPU; >= n blocks)
+    host: torch.Tensor  # [n, num_layers, *shard] CPU: the dump's rows of the staging arena (or its own buffer)
     staging: torch.Tensor  # [n, num_layers, *shard] on the caches' device (on CPU: host's first n blocks)
     gathered: list[bool]  # per layer
 
@@ -144,22 +146,19 @@ class UCMWorker:
             copies every block into fresh memory, whose page faults contend with the I/O threads' and make those
             copies many times slower than copies into touched memory (figures in benchmarks/RESULTS.md, "Other
             one-off costs").
-        dump_buffer_blocks: blocks of a dump staging buffer allocated and paged in by :meth:`register_kv_caches`
-            and put in the dump buffers' pool (:class:`~ucm.integration.vllm.staging.StagingPool`), so that the
-            first dumps after a start do not pay for fresh pages either; 0: none.
+        dump_buffer_blocks: rows (blocks) of the dumps' staging arena
+            (:class:`~ucm.integration.vllm.staging.StagingArena`), allocated and paged in by
+            :meth:`register_kv_caches`: the most blocks that dumps in flight hold at once (see the module
+            docstring); None: twice ``load_buffer_blocks``; 0: no arena (a worker that never dumps).
         load_timeout_s: most seconds a step waits for a load or a durable dump (``load_timeout_ms``; see the
             module docstring).
         any_rank: with tensor parallelism, ``any_rank(flag)`` is True on every rank when ``flag`` is True on at
             least one (a collective over the tensor-parallel group: every rank calls it in the same steps); it
             makes a load failure on one rank drop the step's dumps on all (see the module docstring). None: this
             rank alone.
-        max_inflight_dump_bytes: most bytes of staging buffers held by dumps the store has not finished (bytes of
-            the pool's buffers); a step whose dump would go past it, with other dumps in flight, defers its dump
-            (see the module docstring). None: no bound.
 
     Raises:
-        ValueError: ``load_buffer_blocks`` < 1, ``dump_buffer_blocks`` < 0, ``load_timeout_s`` not > 0, or
-            ``max_inflight_dump_bytes`` < 1.
+        ValueError: ``load_buffer_blocks`` < 1, ``dump_buffer_blocks`` < 0 or ``load_timeout_s`` not > 0.
     """
 
     def __init__(
@@ -171,21 +170,19 @@ class UCMWorker:
         tp_size: int = 1,
         layerwise: bool = False,
         load_buffer_blocks: int = 16,
-        dump_buffer_blocks: int = 0,
+        dump_buffer_blocks: int | None = None,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         any_rank: Callable[[bool], bool] | None = None,
-        max_inflight_dump_bytes: int | None = None,
     ) -> None:
         if load_buffer_blocks < 1:
             raise ValueError(f"load_buffer_blocks must be >= 1, got {load_buffer_blocks}")
+        if dump_buffer_blocks is None:
+            dump_buffer_blocks = 2 * load_buffer_blocks
         if dump_buffer_blocks < 0:
-            raise ValueError(f"dump_buffer_blocks must be >= 0, got {dump_buffer_blocks}")
+            raise ValueError(f"dump_buffer_blocks must be >= 0 or None, got {dump_buffer_blocks}")
         self._dump_buffer_blocks = dump_buffer_blocks
         if not load_timeout_s > 0:
             raise ValueError(f"load_timeout_s must be > 0 (seconds), got {load_timeout_s}")
-        if max_inflight_dump_bytes is not None and max_inflight_dump_bytes < 1:
-            raise ValueError(f"max_inflight_dump_bytes must be >= 1 or None, got {max_inflight_dump_bytes}")
-        self._max_inflight_dump_bytes = max_inflight_dump_bytes
         self._deferred_blocks = 0  # blocks whose dump was deferred since the last warning
         self._deferred_warned = 0.0  # perf_counter() of that warning
         self._layer_dump_deferred = False  # layerwise: this step's dump is deferred (see _admit_dump)
@@ -203,9 +200,9 @@ class UCMWorker:
         self._kv_caches: list[torch.Tensor] = []
         self._layout: KVLayout | None = None
         self._load_errors: set[int] = set()
-        # (task, its StagingPool buffer, store keys): the buffer goes back to the pool once the task is done
+        # (task, its rows of the staging arena, store keys): the rows go back to the arena once the task is done
         self._pending_dumps: list[tuple[Task, torch.Tensor, list[bytes]]] = []
-        self._dump_pool: StagingPool | None = None  # made by register_kv_caches
+        self._dump_arena: StagingArena | None = None  # made by register_kv_caches
         self._reset_epoch = 0
         self._stored_keys: list[bytes] = []
         self._failed_keys: list[bytes] = []
@@ -244,24 +241,16 @@ class UCMWorker:
         # Page the load buffer in now: a first touch during a storage hit would be on its TTFT.
         self._load_buffer = self._staging(self._load_buffer_blocks)
         self._load_buffer.view(torch.uint8).zero_()
-        # Dump buffers: up to twice the load buffer's bytes kept for reuse (see ucm.integration.vllm.staging), at
-        # least the paged-in one.
-        dump_blocks = StagingPool.capacity(self._dump_buffer_blocks) if self._dump_buffer_blocks else 0
-        dump_nbytes = dump_blocks * self._spec.block_nbytes
-        self._dump_pool = StagingPool(
-            self._load_buffer.shape[1:], self._spec.dtype, max(2 * self._load_buffer.nbytes, dump_nbytes)
-        )
-        if dump_blocks:
-            dump_buffer = self._dump_pool.take(dump_blocks)
-            dump_buffer.view(torch.uint8).zero_()
-            self._dump_pool.give(dump_buffer)
+        # The dumps' host memory, all of it, now (see ucm.integration.vllm.staging).
+        self._dump_arena = StagingArena(self._dump_buffer_blocks, self._block_shape(), self._spec.dtype)
+        self._dump_arena.page_in()
         t2 = time.perf_counter()
         # e.g. the Cache stage pages in DRAM slots for one request's blocks (or cache_prefault_gb) in the background
         self._store.prepare(self._spec.block_nbytes, self._load_buffer_blocks)
         logger.info(
             "registered %d KV layers, layout %s, block %d tokens, %.2f MiB per block, %s transfer (kernels ready "
-            "in %.0f ms; load buffer of %d blocks, %.0f MiB, and dump buffer of %d blocks, %.0f MiB, paged in in "
-            "%.0f ms; dumps in flight up to %s)",
+            "in %.0f ms; load buffer of %d blocks, %.0f MiB, and dump staging arena of %d blocks, %.0f MiB, paged "
+            "in in %.0f ms)",
             len(self._kv_caches),
             self._layout.value,
             self._spec.block_size,
@@ -270,27 +259,27 @@ class UCMWorker:
             (t1 - t0) * 1e3,
             self._load_buffer_blocks,
             self._load_buffer.nbytes / 2**20,
-            dump_blocks,
-            dump_nbytes / 2**20,
+            self._dump_buffer_blocks,
+            self._dump_arena.buffer.nbytes / 2**20,
             (t2 - t1) * 1e3,
-            "unbounded"
-            if self._max_inflight_dump_bytes is None
-            else f"{self._max_inflight_dump_bytes / 2**20:.0f} MiB",
         )
 
     def _staging(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A new ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` buffer."""
         return torch.empty((n, *self._block_shape()), dtype=self._spec.dtype, device=device)
 
-    def _dump_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A dump of ``n`` blocks: (its host buffer from the :class:`StagingPool`, owned by the store until the
-        dump's task is done and then given back; the ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]``
-        buffer to gather into: the host buffer's first ``n`` blocks, or a new one on the caches' device, copied
-        into the host buffer by :meth:`_to_host`)."""
-        assert self._dump_pool is not None
-        host = self._dump_pool.take(n)
+    def _gather_target(self, host: torch.Tensor) -> torch.Tensor:
+        """The ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` buffer a dump whose host rows are
+        ``host`` gathers into: ``host`` itself, or a new one on the caches' device, copied into ``host`` by
+        :meth:`_to_host`."""
         device = self._kv_caches[0].device
-        return host, host[:n] if device.type == "cpu" else self._staging(n, device)
+        return host if device.type == "cpu" else self._staging(host.shape[0], device)
+
+    def _give_back(self, host: torch.Tensor) -> None:
+        """Return a dump's host rows once nothing reads them (a durable dump's own buffer is just dropped)."""
+        assert self._dump_arena is not None
+        if self._dump_arena.owns(host):
+            self._dump_arena.give(host)
 
     @staticmethod
     def _to_host(host: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
@@ -466,8 +455,8 @@ class UCMWorker:
         layer_dump, self._layer_dump = self._layer_dump, None
         deferred, self._layer_dump_deferred = self._layer_dump_deferred, False  # layerwise: keys handed back already
         if self._drop_this_step(meta):
-            if layer_dump is not None and self._dump_pool is not None:
-                self._dump_pool.give(layer_dump.host)
+            if layer_dump is not None:
+                self._give_back(layer_dump.host)
             if meta.dumps and self._layout is not None:
                 keys, _ = self._flatten(meta.dumps)
                 self._dropped_keys.extend(keys)
@@ -479,7 +468,7 @@ class UCMWorker:
             return
         if not meta.dumps or self._layout is None:
             return
-        if deferred or (layer_dump is None and not self._admit_dump(meta)):
+        if deferred:
             return
         if layer_dump is not None:  # layerwise: gather the layers save_kv_layer did not see
             for layer, done in enumerate(layer_dump.gathered):
@@ -488,10 +477,13 @@ class UCMWorker:
             keys, block_ids = layer_dump.keys, layer_dump.block_ids
             host, rows = layer_dump.host, self._to_host(layer_dump.host, layer_dump.staging)
         else:
-            keys, block_ids = self._flatten(meta.dumps)
+            admitted = self._admit_dump(meta)
+            if admitted is None:
+                return
+            keys, block_ids, host = admitted
             ids = torch.tensor(block_ids, dtype=torch.int64, device=self._kv_caches[0].device)
-            host, staging = self._dump_buffers(len(keys))
-            rows = self._to_host(host, gather_blocks(self._kv_caches, ids, self._layout, out=staging))
+            gathered = gather_blocks(self._kv_caches, ids, self._layout, out=self._gather_target(host))
+            rows = self._to_host(host, gathered)
         ranked = rank_keys(keys, self._tp_rank, self._tp_size)
         logger.debug("dumping %d blocks: vLLM block ids %s", len(keys), block_ids)
         with requests_of([t.req_id for t in meta.dumps]):
@@ -501,46 +493,56 @@ class UCMWorker:
             if not self._wait_durable(task, host, ranked):
                 return  # the store is stalled: nothing to report stored, and a lookup would wait again
         else:
-            # The store reads the buffer until the task is done; _reap_dumps then gives it back to the pool.
+            # The store reads the rows until the task is done; _reap_dumps then gives them back to the arena.
             self._pending_dumps.append((task, host, ranked))
         # Blocks the store can already serve (e.g. copied into the DRAM tier), reported to the scheduler.
         start = 0
         for t in meta.dumps:
-            n = len(t.keys)
+            n = min(len(t.keys), len(ranked) - start)  # of a dump cut short by the arena, the blocks dumped
+            if n <= 0:
+                break
             self._stored_keys.extend(t.keys[: self._store.lookup(ranked[start : start + n])])
             start += n
 
-    def _admit_dump(self, meta: UCMConnectorMetadata) -> bool:
-        """Whether this step's dump may take a staging buffer: always when it is durable (the step waits for it, so
-        it does not stay in flight) or no dump is in flight, else when the buffers held by dumps in flight plus this
-        one's stay within ``max_inflight_dump_bytes``. Otherwise its keys are handed back to the scheduler to dump
-        later (see the module docstring) and False is returned. The caller has reaped the dumps done."""
-        if self._max_inflight_dump_bytes is None or any(t.durable for t in meta.dumps):
-            return True
-        if not self._pending_dumps:
-            return True
-        keys, _ = self._flatten(meta.dumps)
-        held = sum(host.nbytes for _, host, _ in self._pending_dumps)
-        need = StagingPool.capacity(len(keys)) * self._spec.block_nbytes
-        if held + need <= self._max_inflight_dump_bytes:
-            return True
-        self._dropped_keys.extend(keys)
-        self._deferred_blocks += len(keys)
+    def _admit_dump(self, meta: UCMConnectorMetadata) -> tuple[list[bytes], list[int], torch.Tensor] | None:
+        """Rows of the staging arena for this step's dump: ``(keys, block_ids, host)`` of the blocks that get rows,
+        ``host`` their ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` rows; None when none does.
+
+        Every block gets a row when the arena has a free run long enough; else the first blocks get the largest
+        free run and the rest are deferred: their keys are handed back to the scheduler to dump later, with a
+        ``dump_deferred`` observation and a warning at most every 30 s (see the module docstring). A durable dump is
+        never deferred: without a run long enough it gets a buffer of its own (the step waits for it, so it does
+        not stay in flight). The caller has reaped the dumps done."""
+        assert self._dump_arena is not None
+        keys, block_ids = self._flatten(meta.dumps)
+        host = self._dump_arena.take(len(keys))
+        if host is not None:
+            return keys, block_ids, host
+        if any(t.durable for t in meta.dumps):
+            return keys, block_ids, self._staging(len(keys))
+        n = self._dump_arena.largest_free  # only this thread takes rows: a run of n stays free until taken
+        deferred = keys[n:]
+        self._dropped_keys.extend(deferred)
+        self._deferred_blocks += len(deferred)
         if self.recorder.enabled:
             requests = tuple(t.req_id for t in meta.dumps)
-            self.recorder.record(Observation("dump_deferred", "all", len(keys), requests=requests))
+            self.recorder.record(Observation("dump_deferred", "all", len(deferred), requests=requests))
         now = time.perf_counter()
         if now - self._deferred_warned >= _DEFERRED_WARNING_INTERVAL_S:
             logger.warning(
-                "the store is behind: %d dumps in flight hold %.0f MiB of staging buffers (bound %.0f MiB); deferred "
-                "the dumps of %d blocks since the last warning (dumped later while their requests run)",
+                "the store is behind: %d dumps in flight hold %d of the %d blocks of the dumps' staging arena; "
+                "deferred the dumps of %d blocks since the last warning (dumped later while their requests run)",
                 len(self._pending_dumps),
-                held / 2**20,
-                self._max_inflight_dump_bytes / 2**20,
+                self._dump_arena.blocks_in_use,
+                self._dump_arena.num_blocks,
                 self._deferred_blocks,
             )
             self._deferred_warned, self._deferred_blocks = now, 0
-        return False
+        if n == 0:
+            return None
+        host = self._dump_arena.take(n)
+        assert host is not None
+        return keys[:n], block_ids[:n], host
 
     def _drop_this_step(self, meta: UCMConnectorMetadata) -> bool:
         """Whether this step's dumps are dropped: a load of this step failed on some rank, or one of the step
@@ -558,8 +560,8 @@ class UCMWorker:
         """Wait for a durable dump's task and then for the store's earlier write-backs (which may be writing blocks
         of this dump), at most ``load_timeout_s`` in all; return False when the time ran out. The step then goes on
         with one warning: the blocks not stored by then are recomputed by the instance that loads them; the task
-        keeps ``host`` (its staging buffer, not vLLM's KV) until it is done, and :meth:`_reap_dumps` gives it back
-        to the pool. Done in time, ``host`` goes back to the pool at once."""
+        keeps ``host`` (its staging rows, not vLLM's KV) until it is done, and :meth:`_reap_dumps` gives them back
+        to the arena. Done in time, ``host`` goes back at once."""
         t_wait = time.perf_counter()
         deadline = t_wait + self._load_timeout_s
         try:
@@ -578,8 +580,7 @@ class UCMWorker:
                 self._load_timeout_s * 1e3,
             )
             return False
-        assert self._dump_pool is not None
-        self._dump_pool.give(host)
+        self._give_back(host)
         if result.failed:
             logger.warning("%d of %d blocks were not stored", len(result.failed), len(keys))
         logger.debug("durable dump of %d blocks: waited %.1f ms", len(keys), (time.perf_counter() - t_wait) * 1e3)
@@ -684,12 +685,13 @@ class UCMWorker:
             return
         if self._layer_dump is None:
             self._reap_dumps(block=False)  # the step's first layer: give back the dumps done since the last step
-            if not self._admit_dump(meta):
+            admitted = self._admit_dump(meta)
+            if admitted is None:
                 self._layer_dump_deferred = True
                 return
-            keys, block_ids = self._flatten(meta.dumps)
+            keys, block_ids, host = admitted
             ids = torch.tensor(block_ids, dtype=torch.int64).to(self._kv_caches[0].device)
-            host, staging = self._dump_buffers(len(keys))
+            staging = self._gather_target(host)
             self._layer_dump = _LayerDump(keys, block_ids, ids, host, staging, [False] * len(self._kv_caches))
         self._gather_layer(self._layer_dump, layer)
 
@@ -703,8 +705,7 @@ class UCMWorker:
         for task, host, keys in self._pending_dumps:
             if block or task.done():
                 result = task.result()
-                assert self._dump_pool is not None
-                self._dump_pool.give(host)
+                self._give_back(host)
                 if result.failed:
                     logger.warning("%d of %d blocks were not stored", len(result.failed), len(keys))
             else:
