@@ -131,6 +131,14 @@ def connect(
     return client
 
 
+def _parts(headers: np.ndarray, rows: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """Mooncake's multi-buffer arguments for objects made of ``headers`` row i (uint8, ``HEADER_NBYTES`` each) then
+    ``rows`` row i: (addresses, sizes) per object."""
+    n, row_nbytes = rows.shape
+    h0, r0 = headers.ctypes.data, rows.data_ptr()
+    return [[h0 + i * HEADER_NBYTES, r0 + i * row_nbytes] for i in range(n)], [[HEADER_NBYTES, row_nbytes]] * n
+
+
 class UcmMooncakeError(RuntimeError):
     """The Mooncake stage cannot be used (client missing, master unreachable at start)."""
 
@@ -294,11 +302,8 @@ class MooncakeStore(UcmKVStoreBase):
         """Get ``keys`` from the pool into ``dst``'s rows, check them; the rows that failed."""
         n, row_nbytes = dst.shape
         headers = np.empty((n, HEADER_NBYTES), dtype=np.uint8)
-        h0, d0 = headers.ctypes.data, dst.data_ptr()
         names = [self._name(k) for k in keys]
-        ptrs = [[h0 + i * HEADER_NBYTES, d0 + i * row_nbytes] for i in range(n)]
-        sizes = [[HEADER_NBYTES, row_nbytes]] * n
-        got = self._client.batch_get_into_multi_buffers(names, ptrs, sizes)
+        got = self._client.batch_get_into_multi_buffers(names, *_parts(headers, dst))
         self._note_status(got)
         expected = HEADER_NBYTES + row_nbytes
         rows = dst.numpy()
@@ -391,16 +396,13 @@ class MooncakeStore(UcmKVStoreBase):
 
     def _put(self, keys: list[bytes], src: torch.Tensor) -> set[int]:
         """Put ``keys`` with ``src``'s rows into the pool; the rows not put."""
-        n, row_nbytes = src.shape
+        n = src.shape[0]
         rows = src.numpy()
         headers = np.frombuffer(
             b"".join(pack_header(CODEC_RAW, self._ns_tag, k, memoryview(rows[i])) for i, k in enumerate(keys)),
             dtype=np.uint8,
         )
-        h0, s0 = headers.ctypes.data, src.data_ptr()
-        ptrs = [[h0 + i * HEADER_NBYTES, s0 + i * row_nbytes] for i in range(n)]
-        sizes = [[HEADER_NBYTES, row_nbytes]] * n
-        status = self._client.batch_put_from_multi_buffers([self._name(k) for k in keys], ptrs, sizes)
+        status = self._client.batch_put_from_multi_buffers([self._name(k) for k in keys], *_parts(headers, src))
         self._note_status(status)
         failed = {i for i, s in enumerate(status) if s != 0}
         if failed:
