@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ucm.store.codecs import CODEC_KVFOLD
+from ucm.store.compress import CompressStore
 from ucm.store.mooncake import MooncakeStore, UcmMooncakeError, connect
 from ucm.store.posix import PosixStore
 from ucm.store.posix.format import pack_header
@@ -215,6 +217,44 @@ def case_master_down(tmp: Path) -> None:
         assert posix.lookup(keys) == 4
         tiered.close()
         alone.close()
+
+
+def case_compress_over_the_pool(tmp: Path) -> None:
+    """``Compress|Mooncake`` and ``Compress|Mooncake|Posix``: KVfold payloads (smaller than the blocks) stored as
+    objects, loaded back bit-exact from the pool, and from Posix once gone from the pool; a damaged payload object
+    is a miss and is removed."""
+    from tests.store.test_compress import NAMESPACE_INFO, TAG, kv_blocks
+
+    with MooncakeMaster(tmp / "master.log") as master:
+        blocks, keys = kv_blocks(6, seed=7), keys_of(6, "compress")
+        for inner in (None, PosixStore(str(tmp / "kv"))):
+            pool = stage(master.address, inner=inner)
+            store = CompressStore(pool)
+            store.set_namespace(TAG, NAMESPACE_INFO)
+            assert pool.encoded_store() is pool
+            assert store.dump(keys, blocks).result(60).ok
+            store.flush()
+            names = [pool._name(k) for k in keys]
+            sizes = [pool._client.get_size(n) for n in names]
+            assert all(44 < size < 44 + blocks.shape[1] for size in sizes), sizes  # encoded: smaller than a block
+            dst = torch.zeros_like(blocks)
+            assert store.load(keys, dst).result(60).ok and torch.equal(dst, blocks)
+            pool._client.batch_remove(names[:2], True)
+            dst.zero_()
+            failed = store.load(keys, dst).result(60).failed
+            if inner is None:
+                assert failed == {0, 1}
+                assert torch.equal(dst[2:], blocks[2:])
+                payload, other = np.zeros(sizes[2] - 44, dtype=np.uint8), np.ones(sizes[2] - 44, dtype=np.uint8)
+                pool._client.batch_remove(names[2:3], True)
+                put_raw(pool, keys[2], pack_header(CODEC_KVFOLD, 0, keys[2], memoryview(other)), payload)
+                assert store.load(keys[2:3], dst[2:3]).result(60).failed == {0}  # checksum of other bytes
+                assert pool._client.batch_is_exist(names[2:3]) == [0]  # removed
+            else:  # read from Posix
+                assert failed == frozenset() and torch.equal(dst, blocks)
+            pool._client.batch_remove(names, True)
+            store.close()
+            keys = keys_of(6, "compress-posix")
 
 
 def case_no_master(tmp: Path) -> None:

@@ -31,6 +31,7 @@ EXPECTED_OUTPUT = {
     "holder_killed": ["all failed"],
     "master_down": ["Mooncake pool: lookup", "master down: lookups, loads and dumps took"],
     "damaged_objects_are_misses": ["is damaged (checksum mismatch); removed"],
+    "compress_over_the_pool": ["is damaged (checksum mismatch); removed"],
 }
 
 

@@ -16,6 +16,10 @@ multi-buffer batch calls take the header from a small array and the payload from
 as a block file is: an absent object, one of another size, or one whose header or checksum is wrong is a failed key
 (a miss, recomputed), never data; a damaged one is also removed, since a put on an existing name keeps the old value.
 
+Encoded payloads (a ``Compress`` stage above, :class:`~ucm.store.base.EncodedStore`): an object of any size, the
+header naming its codec; gets read into a scratch buffer of the largest size asked for and are verified
+(``check_encoded``) before the caller's decoder sees them.
+
 Tiers: over an optional stage below (``Mooncake|Posix``): ``lookup`` counts a key held by the pool or by the stage
 below; ``load`` reads from the pool and then loads the keys that failed there from the stage below, straight into
 their rows (one call per run of consecutive rows); ``dump`` puts into the pool and dumps below at the same time; the
@@ -51,6 +55,9 @@ from ucm.affinity import thread_pool
 from ucm.logger import init_logger
 from ucm.store.base import (
     FOREIGN,
+    EncodedBlock,
+    EncodedStore,
+    PayloadDecoder,
     Removal,
     Task,
     TaskResult,
@@ -61,7 +68,7 @@ from ucm.store.base import (
     tiered_lookup,
 )
 from ucm.store.codecs import CODEC_RAW
-from ucm.store.posix.format import HEADER_NBYTES, check_block, namespace_tag, pack_header
+from ucm.store.posix.format import HEADER_NBYTES, check_block, check_encoded, namespace_tag, pack_header
 
 logger = init_logger(__name__)
 
@@ -161,7 +168,7 @@ class _Every:
         logger.warning(message + " (%d times since the last such warning)", *args, count)
 
 
-class MooncakeStore(UcmKVStoreBase):
+class MooncakeStore(UcmKVStoreBase, EncodedStore):
     """Blocks as objects of a Mooncake Store pool, over an optional stage below (see the module docstring).
 
     Args:
@@ -434,9 +441,140 @@ class MooncakeStore(UcmKVStoreBase):
             return self._inner.remove_stored(keys=keys)
         return self._inner.remove_stored(namespace=namespace)
 
-    def encoded_store(self) -> None:
-        """None: the pool holds canonical blocks only (a ``Compress`` stage goes below it, over ``Posix``)."""
-        return None
+    def encoded_store(self) -> EncodedStore | None:
+        """This stage (encoded payloads as objects, see :meth:`dump_encoded`), unless the stage below cannot hold
+        encoded payloads (then None)."""
+        if self._inner is not None and self._inner.encoded_store() is None:
+            return None
+        return self
+
+    # -- encoded payloads (a Compress stage above) -----------------------------------------------------------
+
+    def dump_encoded(
+        self, keys: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview], codecs: Sequence[int]
+    ) -> Task:
+        """Put ``payloads[i]`` (any size) with codec ``codecs[i]`` into the pool as key ``i``'s object and store
+        them in the stage below (its :meth:`~ucm.store.base.EncodedStore.dump_encoded`); the result is the stage
+        below's, or the pool's without one. ``payloads`` must stay unchanged until the task is done.
+
+        Raises:
+            TypeError / ValueError: bad keys; ``payloads`` or ``codecs`` not one per key; a codec outside u16.
+            RuntimeError: the stage is closed.
+        """
+        check_keys(keys)
+        if len(payloads) != len(keys) or len(codecs) != len(keys):
+            raise ValueError(
+                f"need one payload and one codec per key: {len(keys)} keys, {len(payloads)} payloads, "
+                f"{len(codecs)} codecs"
+            )
+        if any(not 0 <= c <= 0xFFFF for c in codecs):
+            raise ValueError(f"codecs must be u16, got {[c for c in codecs if not 0 <= c <= 0xFFFF][:4]}")
+        self._check_open()
+        below_store = self._inner.encoded_store() if self._inner is not None else None
+        below = below_store.dump_encoded(keys, payloads, codecs) if below_store is not None else None
+        bytes_views = [memoryview(p).cast("B") for p in payloads]
+        views = [np.frombuffer(b, dtype=np.uint8) for b in bytes_views]
+        keys = list(keys)
+
+        def put() -> set[int]:
+            if self._pool_down():
+                return set(range(len(keys)))
+            headers = [np.frombuffer(pack_header(c, self._ns_tag, k, b), dtype=np.uint8)
+                       for k, b, c in zip(keys, bytes_views, codecs, strict=True)]  # fmt: skip
+            status = self._client.batch_put_from_multi_buffers(
+                [self._name(k) for k in keys],
+                [[h.ctypes.data, v.ctypes.data] for h, v in zip(headers, views, strict=True)],
+                [[HEADER_NBYTES, v.nbytes] for v in views],
+            )
+            self._note_status(status)
+            return {i for i, code in enumerate(status) if code != 0}
+
+        future: Future[TaskResult] = Future()
+
+        def then(done: Future[set[int]]) -> None:
+            try:
+                failed = done.result()
+            except Exception as exc:
+                self._unreachable.warn("Mooncake pool: put failed (%s); not in the pool", exc)
+                failed = set(range(len(keys)))
+            if below is None:
+                future.set_result(TaskResult(len(keys), frozenset(failed)))
+            else:
+                below.add_done_callback(lambda t: future.set_result(t.result()))
+
+        self._submit(put).add_done_callback(then)
+        return Task(future)
+
+    def load_encoded(self, keys: Sequence[bytes], max_nbytes: int, consume: PayloadDecoder) -> Task:
+        """Get the objects of ``keys`` (payloads of at most ``max_nbytes`` bytes) from the pool, verify each as a
+        block file is verified (``check_encoded``: header, key, size, checksum) and hand it to ``consume``; the keys
+        that failed in the pool are loaded from the stage below the same way. A damaged object is removed.
+
+        Raises:
+            TypeError / ValueError: bad keys; ``max_nbytes`` < 1.
+            RuntimeError: the stage is closed.
+        """
+        check_keys(keys)
+        if max_nbytes < 1:
+            raise ValueError(f"max_nbytes must be >= 1, got {max_nbytes}")
+        self._check_open()
+        keys = list(keys)
+        future: Future[TaskResult] = Future()
+
+        def get() -> set[int]:
+            if self._pool_down():
+                return set(range(len(keys)))
+            object_nbytes = HEADER_NBYTES + max_nbytes
+            scratch = np.empty((len(keys), object_nbytes), dtype=np.uint8)
+            names = [self._name(k) for k in keys]
+            got = self._client.batch_get_into(
+                names, [scratch.ctypes.data + i * object_nbytes for i in range(len(keys))], [object_nbytes] * len(keys)
+            )
+            self._note_status(got)
+            failed: set[int] = set()
+            damaged: list[str] = []
+            for i, size in enumerate(got):
+                if size <= HEADER_NBYTES:  # absent, unreadable, or larger than max_nbytes (status < 0)
+                    failed.add(i)
+                    continue
+                buf = memoryview(scratch[i])
+                reason = check_encoded(buf, size, size, keys[i])
+                if reason is None:
+                    codec = int.from_bytes(buf[6:8], "little")
+                    try:
+                        reason = consume(i, EncodedBlock(codec, buf[HEADER_NBYTES:size]))
+                    except Exception as exc:
+                        logger.error("decoding pool object %s failed: %s", names[i], exc)
+                        reason = f"{FOREIGN}decoder raised {exc!r}"
+                if reason is not None:
+                    failed.add(i)
+                    if not reason.startswith(FOREIGN):
+                        damaged.append(names[i])
+                        self._damaged.warn("Mooncake pool: object %s is damaged (%s); removed", names[i], reason)
+            if damaged:
+                self._client.batch_remove(damaged, True)
+            return failed
+
+        def then(done: Future[set[int]]) -> None:
+            try:
+                failed = done.result()
+            except Exception as exc:
+                self._unreachable.warn("Mooncake pool: get failed (%s); misses", exc)
+                failed = set(range(len(keys)))
+            below_store = self._inner.encoded_store() if self._inner is not None else None
+            if not failed or below_store is None:
+                future.set_result(TaskResult(len(keys), frozenset(failed)))
+                return
+            rows = sorted(failed)
+            task = below_store.load_encoded(
+                [keys[i] for i in rows], max_nbytes, lambda j, block: consume(rows[j], block)
+            )
+            task.add_done_callback(
+                lambda t: future.set_result(TaskResult(len(keys), frozenset(rows[j] for j in t.result().failed)))
+            )
+
+        self._submit(get).add_done_callback(then)
+        return Task(future)
 
     def set_recorder(self, recorder: Any) -> None:
         super().set_recorder(recorder)
