@@ -529,12 +529,16 @@ class UCMWorker:
             self.recorder.record(Observation("dump_deferred", "all", len(deferred), requests=requests))
         now = time.perf_counter()
         if now - self._deferred_warned >= _DEFERRED_WARNING_INTERVAL_S:
+            # Either the store lags (dumps in flight fill the arena) or one step has more blocks than the arena.
             logger.warning(
-                "the store is behind: %d dumps in flight hold %d of the %d blocks of the dumps' staging arena; "
-                "deferred the dumps of %d blocks since the last warning (dumped later while their requests run)",
+                "dumps deferred: a step had %d blocks to dump, the dumps' staging arena %d of its %d blocks free in "
+                "one run (%d dumps in flight hold %d); deferred the dumps of %d blocks since the last warning "
+                "(dumped later while their requests run)",
+                len(keys),
+                n,
+                self._dump_arena.num_blocks,
                 len(self._pending_dumps),
                 self._dump_arena.blocks_in_use,
-                self._dump_arena.num_blocks,
                 self._deferred_blocks,
             )
             self._deferred_warned, self._deferred_blocks = now, 0
