@@ -326,6 +326,25 @@ def check_keys(keys: Sequence[bytes]) -> None:
             raise ValueError(f"block keys must be {KEY_NBYTES} bytes, got {len(key)}")
 
 
+def check_encoded_dump(
+    keys: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview], codecs: Sequence[int]
+) -> None:
+    """Validate the arguments of :meth:`EncodedStore.dump_encoded`.
+
+    Raises:
+        TypeError / ValueError: a key is not 16 ``bytes``; ``payloads`` or ``codecs`` not one per key; a codec
+            outside u16.
+    """
+    check_keys(keys)
+    if len(payloads) != len(keys) or len(codecs) != len(keys):
+        raise ValueError(
+            f"need one payload and one codec per key: {len(keys)} keys, {len(payloads)} payloads, {len(codecs)} codecs"
+        )
+    for c in codecs:
+        if not 0 <= c <= 0xFFFF:
+            raise ValueError(f"codec must be a u16, got {c}")
+
+
 def check_removal(keys: Sequence[bytes] | None, namespace: bytes | None) -> None:
     """Validate the arguments of :meth:`UcmKVStoreBase.remove_stored`.
 

@@ -62,6 +62,7 @@ from ucm.store.base import (
     Task,
     TaskResult,
     UcmKVStoreBase,
+    check_encoded_dump,
     check_keys,
     check_keys_and_buffer,
     check_removal,
@@ -461,14 +462,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
             TypeError / ValueError: bad keys; ``payloads`` or ``codecs`` not one per key; a codec outside u16.
             RuntimeError: the stage is closed.
         """
-        check_keys(keys)
-        if len(payloads) != len(keys) or len(codecs) != len(keys):
-            raise ValueError(
-                f"need one payload and one codec per key: {len(keys)} keys, {len(payloads)} payloads, "
-                f"{len(codecs)} codecs"
-            )
-        if any(not 0 <= c <= 0xFFFF for c in codecs):
-            raise ValueError(f"codecs must be u16, got {[c for c in codecs if not 0 <= c <= 0xFFFF][:4]}")
+        check_encoded_dump(keys, payloads, codecs)
         self._check_open()
         below_store = self._inner.encoded_store() if self._inner is not None else None
         below = below_store.dump_encoded(keys, payloads, codecs) if below_store is not None else None

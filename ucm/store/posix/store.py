@@ -74,6 +74,7 @@ from ucm.store.base import (
     TaskResult,
     UcmKVStoreBase,
     call_on_row,
+    check_encoded_dump,
     check_keys,
     check_keys_and_buffer,
     check_removal,
@@ -527,15 +528,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             TypeError / ValueError: bad keys; ``payloads`` or ``codecs`` not one per key; a codec outside u16.
             RuntimeError: the store is closed.
         """
-        check_keys(keys)
-        if len(payloads) != len(keys) or len(codecs) != len(keys):
-            raise ValueError(
-                f"need one payload and one codec per key: {len(keys)} keys, {len(payloads)} payloads, "
-                f"{len(codecs)} codecs"
-            )
-        for c in codecs:
-            if not 0 <= c <= 0xFFFF:
-                raise ValueError(f"codec must be a u16, got {c}")
+        check_encoded_dump(keys, payloads, codecs)
         views = [memoryview(p).cast("B") for p in payloads]
         return self._submit_all(
             keys,
