@@ -326,6 +326,29 @@ def check_keys(keys: Sequence[bytes]) -> None:
             raise ValueError(f"block keys must be {KEY_NBYTES} bytes, got {len(key)}")
 
 
+def row_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive values in sorted ``indices`` as ``(start, stop)`` ranges (a stage calls the stage
+    below once per run of rows, on ``dst[start:stop]``)."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def check_encoded_load(keys: Sequence[bytes], max_nbytes: int) -> None:
+    """Validate the arguments of :meth:`EncodedStore.load_encoded`.
+
+    Raises:
+        TypeError / ValueError: a key is not 16 ``bytes``; ``max_nbytes`` < 1.
+    """
+    check_keys(keys)
+    if max_nbytes < 1:
+        raise ValueError(f"max_nbytes must be >= 1, got {max_nbytes}")
+
+
 def check_encoded_dump(
     keys: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview], codecs: Sequence[int]
 ) -> None:

@@ -79,6 +79,7 @@ from ucm.store.base import (
     check_keys,
     check_keys_and_buffer,
     check_shards,
+    row_runs,
     tiered_lookup,
 )
 from ucm.store.observe import Observation, Op, Recorder, current_requests
@@ -98,17 +99,6 @@ def _copy_row(dst: torch.Tensor, src: torch.Tensor) -> None:
     into inference tensors (vLLM's buffers) from any thread.
     """
     np.copyto(dst.numpy(), src.numpy())
-
-
-def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive values in sorted ``indices`` as ``(start, stop)`` ranges."""
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
 
 
 @dataclass
@@ -427,7 +417,7 @@ class CacheStore(UcmKVStoreBase):
                 call_on_row(on_row, i, False)
             return Task.completed(TaskResult(len(keys), frozenset(misses)), progress)
         reads: list[_Read] = []
-        for a, b in _runs(misses):
+        for a, b in row_runs(misses):
             promote = functools.partial(self._promote_row, keys, dst, a, on_row, generation)
             try:
                 task: Task | None = self._inner.load_sharded(keys[a:b], dst[a:b], num_shards, progress, promote)
@@ -775,7 +765,7 @@ class CacheStore(UcmKVStoreBase):
         try:
             # Every started dump is waited for, even when another fails: the caller may reuse src once this returns.
             tasks: list[tuple[int, int, Task]] = []
-            for a, b in _runs(rows):
+            for a, b in row_runs(rows):
                 try:
                     tasks.append((a, b, self._inner.dump(keys[a:b], src[a:b])))
                 except Exception:
@@ -908,7 +898,7 @@ class CacheStore(UcmKVStoreBase):
         for i, slot in zip(misses, slots, strict=True):
             if slot is not None:
                 reads.append(_Read(None, [i], slot, generation))
-        for a, b in _runs([i for i, slot in zip(misses, slots, strict=True) if slot is None]):
+        for a, b in row_runs([i for i, slot in zip(misses, slots, strict=True) if slot is None]):
             reads.append(_Read(None, list(range(a, b)), generation=generation))
         for read in reads:
             a, b = read.indices[0], read.indices[-1] + 1

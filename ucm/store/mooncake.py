@@ -63,9 +63,11 @@ from ucm.store.base import (
     TaskResult,
     UcmKVStoreBase,
     check_encoded_dump,
+    check_encoded_load,
     check_keys,
     check_keys_and_buffer,
     check_removal,
+    row_runs,
     tiered_lookup,
 )
 from ucm.store.codecs import CODEC_RAW
@@ -202,7 +204,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         self._inflight = 0  # pool calls of loads and dumps not finished (flush waits for them)
         self._idle = threading.Condition()
 
-    # -- naming ----------------------------------------------------------------------------------------------
+    # -- pool calls and naming -------------------------------------------------------------------------------
 
     def _submit(self, fn: Any, *args: Any) -> Future[Any]:
         """Run a pool call of a load or dump on the stage's threads, counted until done (see :meth:`flush`)."""
@@ -339,13 +341,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         if not failed or self._inner is None:
             future.set_result(TaskResult(len(keys), frozenset(failed)))
             return
-        runs: list[tuple[int, int]] = []
-        for i in sorted(failed):
-            if runs and runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], i + 1)
-            else:
-                runs.append((i, i + 1))
-        tasks = [(start, self._inner.load(keys[start:end], dst[start:end])) for start, end in runs]
+        tasks = [(start, self._inner.load(keys[start:end], dst[start:end])) for start, end in row_runs(sorted(failed))]
         still: set[int] = set()
         pending = len(tasks)
         lock = threading.Lock()
@@ -508,9 +504,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
             TypeError / ValueError: bad keys; ``max_nbytes`` < 1.
             RuntimeError: the stage is closed.
         """
-        check_keys(keys)
-        if max_nbytes < 1:
-            raise ValueError(f"max_nbytes must be >= 1, got {max_nbytes}")
+        check_encoded_load(keys, max_nbytes)
         self._check_open()
         keys = list(keys)
         future: Future[TaskResult] = Future()

@@ -75,6 +75,7 @@ from ucm.store.base import (
     UcmKVStoreBase,
     call_on_row,
     check_encoded_dump,
+    check_encoded_load,
     check_keys,
     check_keys_and_buffer,
     check_removal,
@@ -561,9 +562,7 @@ class PosixStore(UcmKVStoreBase, EncodedStore):
             TypeError / ValueError: bad keys; ``max_nbytes`` < 1.
             RuntimeError: the store is closed.
         """
-        check_keys(keys)
-        if max_nbytes < 1:
-            raise ValueError(f"max_nbytes must be >= 1, got {max_nbytes}")
+        check_encoded_load(keys, max_nbytes)
 
         sizes = [0] * len(keys)  # payload bytes of each block handed over and used
 
