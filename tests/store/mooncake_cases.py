@@ -152,7 +152,8 @@ def case_damaged_objects_are_misses(tmp: Path) -> None:
 
 def case_tiers_over_posix(tmp: Path) -> None:
     """``Mooncake|Posix``: a dump lands in both; a block gone from the pool is read from Posix and one gone from
-    Posix from the pool; removing a namespace empties both."""
+    Posix from the pool; removing a namespace empties both; a load Posix refuses to start (closed) fails its rows
+    without hanging."""
     with MooncakeMaster(tmp / "master.log") as master:
         posix = PosixStore(str(tmp / "kv"))
         store = stage(master.address, inner=posix)
@@ -170,6 +171,9 @@ def case_tiers_over_posix(tmp: Path) -> None:
         removal = store.remove_stored(namespace=b"\x01\x02\x03\x04" * 4)
         assert removal.blocks == 5, removal
         assert store.lookup(keys) == 0
+        posix.close()  # the stage below refuses loads now: the pool's misses fail, the load still completes
+        _, failed = load(store, keys)
+        assert failed == frozenset(range(6)), failed
         store.close()
 
 

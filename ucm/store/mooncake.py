@@ -337,11 +337,18 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
 
     def _load_below(self, keys: list[bytes], dst: torch.Tensor, failed: set[int], future: Future[TaskResult]) -> None:
         """Load the rows ``failed`` in the pool from the stage below (runs of consecutive rows), then complete
-        ``future`` with the keys that failed in both."""
+        ``future`` with the keys that failed in both. A load the stage below refuses to start (it raises, e.g. it is
+        closed) fails its rows: the task always completes."""
         if not failed or self._inner is None:
             future.set_result(TaskResult(len(keys), frozenset(failed)))
             return
-        tasks = [(start, self._inner.load(keys[start:end], dst[start:end])) for start, end in row_runs(sorted(failed))]
+        tasks: list[tuple[int, Task]] = []
+        for start, end in row_runs(sorted(failed)):
+            try:
+                tasks.append((start, self._inner.load(keys[start:end], dst[start:end])))
+            except Exception:
+                logger.exception("Mooncake stage: load of %d blocks from the stage below failed to start", end - start)
+                tasks.append((start, Task.completed(TaskResult(end - start, frozenset(range(end - start))))))
         still: set[int] = set()
         pending = len(tasks)
         lock = threading.Lock()
