@@ -449,3 +449,74 @@ def test_extra_config_is_not_mutated(tmp_path: Path) -> None:
     extra = {CONFIG_FILE_KEY: str(path)}
     config_from_extra_config(extra)
     assert extra == {CONFIG_FILE_KEY: str(path)}
+
+
+# -- the Mooncake stage's settings -----------------------------------------------------------------------------------
+
+MOONCAKE_JSON = '{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": "",\n'
+MOONCAKE_JSON += ' "master_server_address": "127.0.0.1:50088", "global_segment_size": 107374182400}'
+
+
+def test_mooncake_section_inline_with_sizes_in_units() -> None:
+    store = parse_config(
+        store_cfg(
+            store_pipeline="Cache|Mooncake|Posix",
+            mooncake={"master_server_address": "10.0.0.1:50088", "global_segment_size": "4GB", "local_buffer_size": 0},
+        )
+    ).store
+    assert store.mooncake is not None
+    assert store.mooncake.global_segment_size == 4 * GIB
+    assert store.mooncake.local_buffer_size == 0
+    assert (store.mooncake.protocol, store.mooncake.metadata_server) == ("tcp", "P2PHANDSHAKE")
+
+
+def test_mooncake_json_from_the_key_and_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(MOONCAKE_JSON)  # the seeds' template, as users copy it
+    store = parse_config(store_cfg(store_pipeline="Mooncake|Posix", mooncake_config_path=str(path))).store
+    assert store.mooncake is not None and store.mooncake.global_segment_size == 100 * GIB
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    store = parse_config(store_cfg(store_pipeline="Cache|Mooncake")).store
+    assert store.mooncake is not None and store.mooncake.master_server_address == "127.0.0.1:50088"
+    # An inline section wins over the environment variable; the hostname falls back to VLLM_HOST_IP.
+    monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
+    store = parse_config(store_cfg(store_pipeline="Mooncake", mooncake={"master_server_address": "h:1"})).store
+    assert store.mooncake is not None and store.mooncake.master_server_address == "h:1"
+    assert store.mooncake.hostname == "10.1.2.3"
+
+
+@pytest.mark.parametrize(
+    ("store", "expected"),
+    [
+        ({"store_pipeline": "Cache|Mooncake"}, "has a Mooncake stage but no Mooncake settings"),
+        ({"store_pipeline": "Posix", "mooncake": {"master_server_address": "h:1"}}, "only for a pipeline with a Moon"),
+        ({"store_pipeline": "Mooncake", "mooncake": {"master_server_address": "h"}}, "'h' is not host:port"),
+        ({"store_pipeline": "Mooncake", "mooncake_config_path": "/nonexistent/mooncake.json"}, "No such file"),
+        (
+            {"store_pipeline": "Mooncake", "mooncake": {"master_server_address": "h:1", "global_segment_size": 4096}},
+            "global_segment_size 4096 bytes is too small; allowed: 0 (no segment) or at least 16777216",
+        ),
+        (
+            {"store_pipeline": "Mooncake", "mooncake": {"master_server_address": "h:1", "global_segment_size": "lots"}},
+            "'lots' is not a size",
+        ),
+        (
+            {"store_pipeline": "Mooncake", "mooncake": {"master_server_address": "h:1", "protcol": "tcp"}},
+            "unknown key 'protcol' in ucm_connectors[0].ucm_connector_config.mooncake; valid keys: device_name",
+        ),
+        (
+            {"store_pipeline": "Mooncake", "mooncake": {"master_server_address": "h:1"}, "mooncake_config_path": "x"},
+            "give the settings inline or the file, not both",
+        ),
+    ],
+)
+def test_mooncake_errors(store: dict[str, Any], expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    assert expected in config_error(store_cfg(**store))
+
+
+def test_mooncake_json_that_is_not_json(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text("{master_server_address: 1")
+    msg = config_error(store_cfg(store_pipeline="Mooncake", mooncake_config_path=str(path)))
+    assert f"the Mooncake config file {str(path)!r} (mooncake_config_path) is not valid JSON" in msg

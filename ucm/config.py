@@ -18,7 +18,9 @@ names the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +33,24 @@ GIB = 1 << 30
 DEFAULT_TRACE_MAX_MB = 64.0
 
 # Pipelines this version builds.
-SUPPORTED_PIPELINES = ("Cache|Posix", "Posix", "Cache|Compress|Posix", "Compress|Posix")
+SUPPORTED_PIPELINES = (
+    "Cache|Posix",
+    "Posix",
+    "Cache|Compress|Posix",
+    "Compress|Posix",
+    "Cache|Mooncake|Posix",
+    "Mooncake|Posix",
+    "Cache|Mooncake",
+    "Mooncake",
+    "Cache|Compress|Mooncake|Posix",
+    "Compress|Mooncake|Posix",
+)
+# Where the Mooncake stage's client settings come from when the config has no ``mooncake`` section nor
+# ``mooncake_config_path`` (the environment variable of the seeds' Mooncake guide).
+MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+# Mooncake's smallest segment a client can mount (0 = none).
+MOONCAKE_MIN_SEGMENT = 16 << 20
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 # KVfold (Compress stage) settings; kept in step with ucm.store.compress (checked there too).
 COMPRESS_MODES = ("lossless", "fixed_rate", "off")
 FIXED_RATE_RATIOS = (16,)
@@ -48,13 +67,99 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+def _parse_size(value: Any) -> Any:
+    """Bytes from an int or a string such as ``"3355443200"``, ``"4GB"``, ``"512 MB"`` (powers of 1024, as
+    Mooncake's own config reads them); anything else is left for the type check to refuse."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*", value.upper())
+        if match is None:
+            raise ValueError(f"{value!r} is not a size; allowed: bytes as an integer, or a number with KB, MB, GB, TB")
+        return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    return value
+
+
+class MooncakeConfig(_Strict):
+    """The ``Mooncake`` stage's client: the keys of Mooncake's ``mooncake.json`` (the seeds' Mooncake guide), given
+    as ``mooncake:`` in ``ucm_connector_config``, or read from the file named by ``mooncake_config_path`` or the
+    ``MOONCAKE_CONFIG_PATH`` environment variable. Sizes are bytes, or strings such as ``"4GB"``.
+
+    The lease that keeps an object from eviction while it is read is the master's setting
+    (``mooncake_master --default_kv_lease_ttl=<ms>``), not the client's.
+    """
+
+    master_server_address: str = Field(
+        description="host:port of mooncake_master's RPC service (its --rpc_address / --rpc_port, or --port)."
+    )
+    metadata_server: str = Field(
+        "P2PHANDSHAKE",
+        description="Transfer engine metadata: 'P2PHANDSHAKE' (clients exchange it directly; no metadata server) "
+        "or the URL of one (etcd://..., http://...).",
+    )
+    protocol: str = Field("tcp", description="Transfer protocol: 'tcp', or 'rdma' with device_name set.")
+    device_name: str = Field("", description="RDMA devices for protocol 'rdma' (e.g. 'mlx5_0'); '' for tcp.")
+    local_hostname: str | None = Field(
+        None,
+        description="Address other nodes reach this client at (its segment is read from there); null: "
+        "VLLM_HOST_IP if set, else 127.0.0.1 (one node only).",
+    )
+    global_segment_size: int = Field(
+        3355443200,
+        description="Bytes of this instance's DRAM mounted into the pool (objects of every instance are placed "
+        "there); 0 = none (the instance only uses others' segments), else at least 16 MiB. Mounted by the worker "
+        "process; the scheduler's lookup client mounts none.",
+    )
+    local_buffer_size: int = Field(
+        16 << 20,
+        ge=0,
+        description="Bytes of the client's transfer buffer (UCM moves blocks from its own buffers: little is used).",
+    )
+
+    @field_validator("global_segment_size", "local_buffer_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return _parse_size(value)
+
+    @field_validator("master_server_address")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"master_server_address {value!r} is not host:port (e.g. '10.0.0.1:50088')")
+        return value
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _segment(cls, value: int) -> int:
+        if value != 0 and value < MOONCAKE_MIN_SEGMENT:
+            raise ValueError(
+                f"global_segment_size {value} bytes is too small; allowed: 0 (no segment) or at least "
+                f"{MOONCAKE_MIN_SEGMENT} (16 MiB)"
+            )
+        return value
+
+    @property
+    def hostname(self) -> str:
+        """``local_hostname``, or ``VLLM_HOST_IP``, or 127.0.0.1."""
+        return self.local_hostname or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+
+
+def _read_mooncake_json(path: str, source: str) -> Any:
+    """The mapping in the Mooncake config file ``path`` (named by ``source``)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as err:
+        raise ValueError(f"cannot read the Mooncake config file {path!r} ({source}): {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the Mooncake config file {path!r} ({source}) is not valid JSON: {err}") from None
+
+
 class UcmPipelineStoreConfig(_Strict):
     """``ucm_connector_config`` of a ``UcmPipelineStore``: the store pipeline and its stages' settings."""
 
     store_pipeline: str = Field(
         "Cache|Posix",
-        description="Stages top first, joined by '|': 'Cache|Posix', 'Posix', 'Cache|Compress|Posix' or "
-        "'Compress|Posix'.",
+        description="Stages top first, joined by '|': one of " + ", ".join(map(repr, SUPPORTED_PIPELINES)) + ".",
     )
     storage_backends: str = Field(
         DEFAULT_STORAGE_DIR,
@@ -111,6 +216,58 @@ class UcmPipelineStoreConfig(_Strict):
         le=1024,
         description="Compress stage: encode threads, and the most blocks decoded at once. Needs a Compress stage.",
     )
+
+    mooncake: MooncakeConfig | None = Field(
+        None,
+        description="Mooncake stage: its client's settings (mooncake.json's keys). Without it, the file named by "
+        "mooncake_config_path, else by the MOONCAKE_CONFIG_PATH environment variable, is read. Needs a Mooncake "
+        "stage.",
+    )
+    mooncake_config_path: str | None = Field(
+        None,
+        description="Mooncake stage: path of a mooncake.json whose keys fill the mooncake section (not both). Needs "
+        "a Mooncake stage.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mooncake_file(cls, data: Any) -> Any:
+        # The Mooncake stage's settings: inline, or the file named by the key, or by the environment variable.
+        if not isinstance(data, dict):
+            return data
+        pipeline = data.get("store_pipeline", "")
+        stages = [part.strip() for part in pipeline.split("|")] if isinstance(pipeline, str) else []
+        path = data.get("mooncake_config_path")
+        if "Mooncake" not in stages:
+            given = [k for k in ("mooncake", "mooncake_config_path") if data.get(k) is not None]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)}: only for a pipeline with a Mooncake stage; store_pipeline is "
+                    f"{pipeline!r}: remove them, or use e.g. 'Cache|Mooncake|Posix'"
+                )
+            return data
+        if data.get("mooncake") is not None:
+            if path is not None:
+                raise ValueError(
+                    f"both mooncake and mooncake_config_path ({path!r}) are given; give the settings inline or the "
+                    "file, not both"
+                )
+            return data
+        source = "mooncake_config_path"
+        if path is None:
+            path, source = os.environ.get(MOONCAKE_CONFIG_ENV), f"${MOONCAKE_CONFIG_ENV}"
+        if not path:
+            raise ValueError(
+                f"store_pipeline {pipeline!r} has a Mooncake stage but no Mooncake settings; give a mooncake "
+                f"section (master_server_address: host:port, ...), mooncake_config_path: <mooncake.json>, or set "
+                f"{MOONCAKE_CONFIG_ENV}"
+            )
+        if not isinstance(path, str):
+            return data  # the type check names it
+        settings = _read_mooncake_json(path, source)
+        if not isinstance(settings, dict):
+            raise ValueError(f"the Mooncake config file {path!r} ({source}) must hold a JSON object")
+        return {**data, "mooncake": settings}
 
     @field_validator("cache_buffer_capacity_gb", "cache_prefault_gb", "posix_capacity_gb", mode="before")
     @classmethod
@@ -405,6 +562,8 @@ def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
     names = [part for part in loc if isinstance(part, str)]
     if "GSA" in names:
         return GSAConfig
+    if "mooncake" in names:
+        return MooncakeConfig
     if "ucm_sparse_config" in names:
         return UcmSparseConfig
     if "ucm_connector_config" in names:

@@ -261,6 +261,113 @@ def case_compress_over_the_pool(tmp: Path) -> None:
             keys = keys_of(6, "compress-posix")
 
 
+def case_pipelines_from_config(tmp: Path) -> None:
+    """Every supported pipeline with a Mooncake stage, built from the config as the connector builds it: blocks
+    round-trip bit-exact; the stage sits where the pipeline names it and holds encoded payloads where
+    ENCODED_PAYLOAD_PIPELINES says; a pipeline built without a segment (the scheduler's) only reads others'."""
+    from ucm.config import SUPPORTED_PIPELINES, parse_config
+    from ucm.store.cache import CacheStore
+    from ucm.store.pipeline import ENCODED_PAYLOAD_PIPELINES, build_store
+
+    with MooncakeMaster(tmp / "master.log") as master:
+        mooncake = {"master_server_address": master.address, "global_segment_size": "64MB"}
+        for n, spec in enumerate(p for p in SUPPORTED_PIPELINES if "Mooncake" in p):
+            entry = {"store_pipeline": spec, "storage_backends": str(tmp / f"kv{n}"), "mooncake": mooncake}
+            config = parse_config({"ucm_connectors": [{"ucm_connector_config": entry}]}).store
+            store = build_store(config, lookup_timeout_s=2.0)
+            store.set_namespace(bytes([n + 1]) * 16, {"kv_dtype": "torch.float32"})
+            top = spec.split("|")[0]
+            assert type(store).__name__ == {"Cache": "CacheStore", "Compress": "CompressStore"}.get(
+                top, "MooncakeStore"
+            ), (spec, store)
+            pool = store
+            while not isinstance(pool, MooncakeStore):
+                pool = pool._inner if isinstance(pool, CacheStore) else pool.inner
+            if spec in ENCODED_PAYLOAD_PIPELINES:
+                assert store.encoded_store() is not None, spec
+            keys, rows = keys_of(4, spec), rows_of(4, n)
+            assert store.dump(keys, rows).result(60).ok, spec
+            store.flush()
+            assert pool._client.batch_is_exist([pool._name(k) for k in keys]) == [1] * 4, spec
+            reader = build_store(config, lookup_timeout_s=2.0, mount_segment=False)
+            reader.set_namespace(bytes([n + 1]) * 16, {"kv_dtype": "torch.float32"})
+            assert reader.lookup(keys) == 4, spec
+            dst = torch.zeros_like(rows)
+            assert reader.load(keys, dst).result(60).ok and torch.equal(dst, rows), spec
+            reader.close()
+            store.close()
+            print(f"pipeline {spec}: stored, found and loaded by a client without a segment", flush=True)
+        # A client without a segment, alone in the pool: nowhere to put objects (a warning, not stored).
+        alone = build_store(
+            parse_config(
+                {"ucm_connectors": [{"ucm_connector_config": {"store_pipeline": "Mooncake", "mooncake": mooncake}}]}
+            ).store,
+            mount_segment=False,
+        )
+        assert not alone.dump(keys_of(2, "alone"), rows_of(2, 9)).result(60).ok
+        alone.close()
+
+
+def case_blocks_stay_in_the_dumping_instance(tmp: Path) -> None:
+    """Two instances' pipelines (segments mounted, as the workers build them): each one's dumps are placed in its own
+    segment (Mooncake's preferred_segment), so the other reads them from the first one's DRAM."""
+    from ucm.config import parse_config
+    from ucm.store.pipeline import build_store
+
+    def endpoints(store: MooncakeStore, keys: list[bytes]) -> set[str]:
+        descs = [store._client.get_replica_desc(store._name(k))[0] for k in keys]
+        return {d.get_memory_descriptor().buffer_descriptor.transport_endpoint for d in descs}
+
+    with MooncakeMaster(tmp / "master.log") as master:
+        mooncake = {"master_server_address": master.address, "global_segment_size": "64MB"}
+        entry = {"store_pipeline": "Mooncake", "mooncake": mooncake}
+        config = parse_config({"ucm_connectors": [{"ucm_connector_config": entry}]}).store
+        a, b = build_store(config), build_store(config)
+        assert isinstance(a, MooncakeStore) and isinstance(b, MooncakeStore)
+        keys_a, keys_b = keys_of(16, "a"), keys_of(16, "b")
+        assert a.dump(keys_a, rows_of(16, 1)).result(60).ok and b.dump(keys_b, rows_of(16, 2)).result(60).ok
+        where_a, where_b = endpoints(a, keys_a), endpoints(b, keys_b)
+        assert len(where_a) == 1 and len(where_b) == 1 and where_a != where_b, (where_a, where_b)
+        dst = torch.zeros((16, ROW), dtype=torch.uint8)
+        assert b.load(keys_a, dst).result(60).ok and torch.equal(dst, rows_of(16, 1))
+        a.close()
+        b.close()
+
+
+def case_master_absent_at_start(tmp: Path) -> None:
+    """``Mooncake|Posix`` built while no master answers: it starts (one warning) and serves from Posix; once a
+    master answers on the configured address the stage joins the pool by itself and puts blocks there."""
+    from ucm.config import parse_config
+    from ucm.store.pipeline import build_store
+
+    master = MooncakeMaster(tmp / "master.log")
+    master.kill()  # its address is in the config; nothing answers there yet
+    entry = {
+        "store_pipeline": "Mooncake|Posix",
+        "storage_backends": str(tmp / "kv"),
+        "mooncake": {"master_server_address": master.address, "global_segment_size": "64MB"},
+    }
+    t0 = time.monotonic()
+    store = build_store(parse_config({"ucm_connectors": [{"ucm_connector_config": entry}]}).store, lookup_timeout_s=2)
+    assert isinstance(store, MooncakeStore) and time.monotonic() - t0 < 30
+    keys, rows = keys_of(4, "absent"), rows_of(4, 11)
+    assert store.dump(keys[:2], rows[:2]).result(60).ok  # into Posix only
+    store.flush()
+    assert store.lookup(keys) == 2
+    dst, failed = load(store, keys[:2])
+    assert failed == frozenset() and torch.equal(dst, rows[:2])
+    master.start()
+    deadline = time.monotonic() + 60
+    while store._client is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert store._client is not None, "the stage did not join the pool within 60 s of the master's start"
+    print(f"joined the pool {time.monotonic() - t0:.1f} s after start", flush=True)
+    assert store.dump(keys[2:], rows[2:]).result(60).ok
+    assert store._client.batch_is_exist([store._name(k) for k in keys[2:]]) == [1, 1]
+    store.close()
+    master.kill()
+
+
 def case_no_master(tmp: Path) -> None:
     """No master at the address: the stage is refused at start with an error naming the address."""
     t0 = time.monotonic()

@@ -32,6 +32,11 @@ EXPECTED_OUTPUT = {
     "master_down": ["Mooncake pool: lookup", "master down: lookups, loads and dumps took"],
     "damaged_objects_are_misses": ["is damaged (checksum mismatch); removed"],
     "compress_over_the_pool": ["is damaged (checksum mismatch); removed"],
+    "master_absent_at_start": [
+        "Mooncake stage starts without the pool, joining it once the master answers",
+        "Mooncake stage: the master answers now",
+    ],
+    "pipelines_from_config": ["pipeline Compress|Mooncake|Posix: stored, found and loaded", "Mooncake pool is full"],
 }
 
 

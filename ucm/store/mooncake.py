@@ -27,14 +27,17 @@ task's result is the stage below's (the pool is best effort: a full pool, status
 warning at most every 30 s). Without a stage below the result is the pool's. Blocks read from below are not put
 into the pool.
 
-Faults: ``lookup`` (synchronous, on the scheduler's path) waits at most ``timeout_s`` for the pool; past that, or
-when the master cannot be reached, it counts nothing from the pool (a warning at most every 30 s). After a call
-the master did not answer (status -900) or a lookup past ``timeout_s``, the stage leaves the pool alone for
-:data:`POOL_RETRY_S` seconds: lookups count nothing from it, loads read from below, dumps go below only. A load
-waits for the pool's get however long it takes, since Mooncake may still write into the rows until it returns (the
-connector's load deadline abandons the load buffer meanwhile; see ``ucm.integration.vllm.worker``); a failed get
-(master gone, the client holding the object killed: status < 0) is a miss. Mooncake's own RPC timeouts bound these
-calls (seconds).
+Faults: no master answering at start is not an error: the stage starts without the pool (lookups count nothing from
+it, loads read from below, dumps go below only) and joins the pool once a master answers (tried every
+:data:`POOL_RETRY_S` seconds, one info line when it joins). ``lookup`` (synchronous, on the scheduler's path) waits
+at most ``timeout_s`` for the pool; past that, or when the master cannot be reached, it counts nothing from the pool
+(a warning at most every 30 s). After a call the master did not answer (status -900) or a lookup past ``timeout_s``,
+the stage leaves the pool alone for :data:`POOL_RETRY_S` seconds: lookups count nothing from it, loads read from
+below, dumps go below only. A load waits for the pool's get however long it takes, since Mooncake may still write
+into the rows until it returns (the connector's load deadline abandons the load buffer meanwhile; see
+``ucm.integration.vllm.worker``); a failed get (master gone, the client holding the object killed: status < 0) is a
+miss. Mooncake's own RPC timeouts bound these calls (seconds). A master restarted keeps no key: the blocks are
+missed in the pool and put again by the next dumps.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, TimeoutError
 from typing import Any
 
@@ -102,8 +105,8 @@ def connect(
     about 90 s).
 
     Raises:
-        UcmMooncakeError: the ``mooncake`` package is not installed, no master answers at
-            ``master_server_address``, or the setup failed.
+        MooncakeMasterUnreachable: no master answers at ``master_server_address``.
+        UcmMooncakeError: the ``mooncake`` package is not installed, or the setup failed.
     """
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -128,7 +131,7 @@ def connect(
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except (OSError, ValueError) as exc:
-        raise UcmMooncakeError(
+        raise MooncakeMasterUnreachable(
             f"no Mooncake master answers at master_server_address {master_server_address!r} ({exc}): start "
             "mooncake_master there, or fix the address (host:port)"
         ) from exc
@@ -150,7 +153,11 @@ def _parts(headers: np.ndarray, rows: torch.Tensor) -> tuple[list[list[int]], li
 
 
 class UcmMooncakeError(RuntimeError):
-    """The Mooncake stage cannot be used (client missing, master unreachable at start)."""
+    """The Mooncake stage cannot be used (client missing, setup refused)."""
+
+
+class MooncakeMasterUnreachable(UcmMooncakeError):
+    """No Mooncake master accepts connections at the address."""
 
 
 class _Every:
@@ -179,20 +186,45 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         inner: the stage below (``Posix``), or None.
         timeout_s: most seconds a lookup waits for the pool.
         io_threads: threads that make the pool's calls.
+        prefer_own_segment: puts place objects in the client's own segment while it has room (Mooncake's
+            ``preferred_segment``, set to ``client.get_hostname()``), so an instance's blocks live in its own DRAM
+            and others read them from there; False: wherever the master places them (a client without a segment).
+        rejoin: with ``client`` None (no master answered at start): a callable that returns a set-up client or
+            raises :class:`MooncakeMasterUnreachable`; the stage calls it every :data:`POOL_RETRY_S` seconds on a
+            thread of its own until it succeeds, and serves from the stage below (or misses) meanwhile.
 
     Raises:
         ValueError: ``timeout_s`` not > 0 or ``io_threads`` < 1.
     """
 
     def __init__(
-        self, client: Any, inner: UcmKVStoreBase | None = None, timeout_s: float = 5.0, io_threads: int = 2
+        self,
+        client: Any,
+        inner: UcmKVStoreBase | None = None,
+        timeout_s: float = 5.0,
+        io_threads: int = 2,
+        prefer_own_segment: bool = False,
+        rejoin: Callable[[], Any] | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 (seconds), got {timeout_s}")
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-        self._client = client
+        if client is None and rejoin is None:
+            raise ValueError("a Mooncake stage without a client needs rejoin (how to connect later)")
+        self._client: Any = None
         self._inner = inner
+        self._prefer_own_segment = prefer_own_segment
+        self._placement: tuple[Any, ...] = ()  # the puts' ReplicateConfig, when the own segment is preferred
+        self._stop = threading.Event()
+        self._rejoin_thread: threading.Thread | None = None
+        if client is not None:
+            self._use(client)
+        else:
+            assert rejoin is not None
+            self._rejoin_thread = threading.Thread(
+                target=self._rejoin_loop, args=(rejoin,), name="ucm-mooncake-rejoin", daemon=True
+            )
         self._timeout_s = timeout_s
         self._pool = thread_pool(io_threads, "ucm-mooncake")
         self._ns_tag = 0
@@ -203,6 +235,35 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         self._down_until = 0.0  # time.monotonic() until which the pool is left alone (see the module docstring)
         self._inflight = 0  # pool calls of loads and dumps not finished (flush waits for them)
         self._idle = threading.Condition()
+        if self._rejoin_thread is not None:
+            self._rejoin_thread.start()
+
+    def _use(self, client: Any) -> None:
+        """Serve from ``client`` from now on."""
+        if self._prefer_own_segment:
+            from mooncake.store import ReplicateConfig
+
+            placement = ReplicateConfig()
+            placement.preferred_segment = client.get_hostname()
+            self._placement = (placement,)
+        self._client = client
+
+    def _rejoin_loop(self, rejoin: Callable[[], Any]) -> None:
+        """Connect to the pool once a master answers (every ``POOL_RETRY_S`` s) and serve from it from then on."""
+        while not self._stop.wait(POOL_RETRY_S):
+            try:
+                client = rejoin()
+            except MooncakeMasterUnreachable:
+                continue
+            except Exception as exc:
+                self._unreachable.warn("Mooncake pool: joining failed (%s); trying again", exc)
+                continue
+            if self._stop.is_set():  # closed meanwhile
+                client.close()
+                return
+            self._use(client)
+            logger.info("Mooncake stage: the master answers now; blocks are put into and read from the pool")
+            return
 
     # -- pool calls and naming -------------------------------------------------------------------------------
 
@@ -221,7 +282,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         return future
 
     def _pool_down(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self._client is None or time.monotonic() < self._down_until
 
     def _note_status(self, codes: Sequence[int]) -> None:
         """Leave the pool alone for a while when the master did not answer a call."""
@@ -413,7 +474,9 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
             b"".join(pack_header(CODEC_RAW, self._ns_tag, k, memoryview(rows[i])) for i, k in enumerate(keys)),
             dtype=np.uint8,
         )
-        status = self._client.batch_put_from_multi_buffers([self._name(k) for k in keys], *_parts(headers, src))
+        status = self._client.batch_put_from_multi_buffers(
+            [self._name(k) for k in keys], *_parts(headers, src), *self._placement
+        )
         self._note_status(status)
         failed = {i for i, s in enumerate(status) if s != 0}
         if failed:
@@ -432,7 +495,9 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         check_removal(keys, namespace)
         self._check_open()
         try:
-            if keys is not None:
+            if self._client is None:
+                pass  # not joined: nothing of this process is in the pool
+            elif keys is not None:
                 self._client.batch_remove([self._name(k) for k in keys], True)
             else:
                 assert namespace is not None
@@ -482,6 +547,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
                 [self._name(k) for k in keys],
                 [[h.ctypes.data, v.ctypes.data] for h, v in zip(headers, views, strict=True)],
                 [[HEADER_NBYTES, v.nbytes] for v in views],
+                *self._placement,
             )
             self._note_status(status)
             return {i for i, code in enumerate(status) if code != 0}
@@ -595,9 +661,13 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         self._pool.shutdown(wait=True)
+        if self._rejoin_thread is not None:
+            self._rejoin_thread.join()
         try:
-            self._client.close()
+            if self._client is not None:
+                self._client.close()
         except Exception as exc:
             logger.warning("Mooncake client close failed: %s", exc)
         if self._inner is not None:

@@ -1,5 +1,5 @@
-"""Build a store pipeline from its config string (``Cache|Posix``, ``Posix``, ``Cache|Compress|Posix``,
-``Compress|Posix``), top stage first.
+"""Build a store pipeline from its config string (``Cache|Posix``, ``Cache|Compress|Posix``, ``Cache|Mooncake|Posix``,
+... :data:`~ucm.config.SUPPORTED_PIPELINES`), top stage first.
 
 Within one process, every caller with the same config gets the same pipeline object (:func:`shared_store`), so
 vLLM's scheduler-side lookups see the DRAM cache that the worker in the same process fills.
@@ -12,14 +12,17 @@ naming the stage below and the ones allowed there.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+from typing import Any
 
 from ucm.config import SUPPORTED_PIPELINES, UcmPipelineStoreConfig
 from ucm.logger import init_logger
 from ucm.store.base import UcmKVStoreBase
 from ucm.store.cache import CacheStore
 from ucm.store.compress import CompressStore
+from ucm.store.mooncake import MooncakeMasterUnreachable, MooncakeStore, connect
 from ucm.store.posix import PosixStore
 
 logger = init_logger(__name__)
@@ -27,7 +30,9 @@ logger = init_logger(__name__)
 # What may sit directly below Compress: pipelines whose top stage holds encoded payloads (Posix stores them; Cache
 # passes them through to its stage below). Named in the error of a stage below Compress that cannot;
 # tests/store/test_pipeline.py checks each against the stages' encoded_store().
-ENCODED_PAYLOAD_PIPELINES = ("Posix", "Cache|Posix")
+ENCODED_PAYLOAD_PIPELINES = ("Posix", "Cache|Posix", "Mooncake|Posix", "Mooncake")
+# Most seconds a Mooncake lookup waits for the pool when the connector gives no bound.
+MOONCAKE_LOOKUP_TIMEOUT_S = 5.0
 
 
 def _warn_if_larger_than_memory(capacity_bytes: int) -> None:
@@ -46,17 +51,24 @@ def _warn_if_larger_than_memory(capacity_bytes: int) -> None:
 
 
 def build_store(
-    config: UcmPipelineStoreConfig, require_writable: bool = True, lookup_timeout_s: float | None = None
+    config: UcmPipelineStoreConfig,
+    require_writable: bool = True,
+    lookup_timeout_s: float | None = None,
+    mount_segment: bool = True,
 ) -> UcmKVStoreBase:
     """A new pipeline for ``config.store_pipeline``, built bottom-up.
 
     ``require_writable=False`` (a ``kv_consumer``, which only loads) accepts read-only storage directories.
-    ``lookup_timeout_s``: the Posix stage's bound on one lookup (``load_timeout_ms``; ``None``: unbounded, see
-    :class:`~ucm.store.posix.PosixStore`).
+    ``lookup_timeout_s``: the Posix and Mooncake stages' bound on one lookup (``load_timeout_ms``; ``None``: Posix
+    unbounded, see :class:`~ucm.store.posix.PosixStore`; Mooncake :data:`MOONCAKE_LOOKUP_TIMEOUT_S`).
+    ``mount_segment``: the Mooncake stage's client mounts ``global_segment_size`` bytes into the pool (the worker's
+    pipeline); False: none (the scheduler's, which only looks up).
 
     Raises:
         ValueError: an unknown stage name (the config schema already refuses these), a stage below ``Compress`` that
             cannot hold encoded payloads, or a bad storage path.
+        UcmMooncakeError: the Mooncake stage's client is not installed or its setup failed (no master answering is
+            not an error: the stage joins the pool when one does, see :mod:`ucm.store.mooncake`).
     """
     stages = config.store_pipeline.split("|")
     if config.store_pipeline not in SUPPORTED_PIPELINES:
@@ -82,13 +94,57 @@ def build_store(
                 data_type=config.data_type,
                 threads=config.decompress_thread_num,
             )
+        elif stage == "Mooncake":
+            assert config.mooncake is not None  # the schema requires it with a Mooncake stage
+            rejoin = functools.partial(_mooncake_client, config, mount_segment)
+            try:
+                client = rejoin()
+            except MooncakeMasterUnreachable as exc:
+                logger.warning("Mooncake stage starts without the pool, joining it once the master answers: %s", exc)
+                client = None
+            except Exception:
+                if store is not None:
+                    store.close()
+                raise
+            store = MooncakeStore(
+                client,
+                store,
+                timeout_s=lookup_timeout_s or MOONCAKE_LOOKUP_TIMEOUT_S,
+                # This instance's blocks in its own segment while it has room (others read them from there).
+                prefer_own_segment=mount_segment and config.mooncake.global_segment_size > 0,
+                rejoin=rejoin,
+            )
         elif stage == "Cache":
             _warn_if_larger_than_memory(config.cache_buffer_capacity_bytes)
             store = CacheStore(store, config.cache_buffer_capacity_bytes, config.cache_prefault_bytes)
         else:  # pragma: no cover - refused by the schema
-            raise ValueError(f"unknown store stage {stage!r}; allowed: Cache, Compress, Posix")
+            raise ValueError(f"unknown store stage {stage!r}; allowed: Cache, Compress, Mooncake, Posix")
     assert store is not None
     return store
+
+
+def _mooncake_client(config: UcmPipelineStoreConfig, mount_segment: bool) -> Any:
+    """A set-up Mooncake client for the stage (one info line says where it joined the pool)."""
+    mc = config.mooncake
+    assert mc is not None
+    segment = mc.global_segment_size if mount_segment else 0
+    client = connect(
+        mc.master_server_address,
+        local_hostname=mc.hostname,
+        metadata_server=mc.metadata_server,
+        protocol=mc.protocol,
+        device_name=mc.device_name,
+        global_segment_size=segment,
+        local_buffer_size=mc.local_buffer_size,
+    )
+    logger.info(
+        "Mooncake stage: joined the pool of master %s as %s (%s, segment %.2f GiB of this process's DRAM)",
+        mc.master_server_address,
+        mc.hostname,
+        mc.protocol,
+        segment / 2**30,
+    )
+    return client
 
 
 def _holding_encoded_payloads(pipeline: str, below: list[str], store: UcmKVStoreBase | None) -> UcmKVStoreBase:
@@ -119,11 +175,15 @@ def _shared_key(config: UcmPipelineStoreConfig, require_writable: bool) -> str:
 
 
 def shared_store(
-    config: UcmPipelineStoreConfig, require_writable: bool = True, lookup_timeout_s: float | None = None
+    config: UcmPipelineStoreConfig,
+    require_writable: bool = True,
+    lookup_timeout_s: float | None = None,
+    mount_segment: bool = True,
 ) -> UcmKVStoreBase:
-    """The process-wide pipeline for ``config`` (built on first use; reference counted); ``require_writable`` and
-    ``lookup_timeout_s`` as in :func:`build_store` (the first caller's ``lookup_timeout_s`` holds: the connector's
-    two roles in one process pass the same).
+    """The process-wide pipeline for ``config`` (built on first use; reference counted); ``require_writable``,
+    ``lookup_timeout_s`` and ``mount_segment`` as in :func:`build_store` (the first caller's hold: the connector's
+    two roles in one process pass the same timeout, and vLLM builds the worker's connector, which mounts the
+    segment, before the scheduler's).
 
     Pair each call with :func:`release_shared_store`; the last release closes the pipeline (flushing write-backs).
     """
@@ -131,7 +191,7 @@ def shared_store(
     with _shared_lock:
         store, refs = _shared.get(key, (None, 0))
         if store is None:
-            store = build_store(config, require_writable, lookup_timeout_s)
+            store = build_store(config, require_writable, lookup_timeout_s, mount_segment)
         _shared[key] = (store, refs + 1)
         return store
 

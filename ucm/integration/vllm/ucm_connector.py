@@ -127,7 +127,13 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._obs = Observability(
             self._ucm_config, self._spec.block_size, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         )
-        self._store = shared_store(self._ucm_config.store, self._require_writable, self._ucm_config.load_timeout_s)
+        # A Mooncake stage's client mounts its DRAM segment in the worker; the scheduler's only looks up.
+        self._store = shared_store(
+            self._ucm_config.store,
+            self._require_writable,
+            self._ucm_config.load_timeout_s,
+            mount_segment=role == KVConnectorRole.WORKER,
+        )
         self._closed = False
         # vLLM's KV events (--kv-events-config): UCM's tiers publish too, see ucm.integration.vllm.events.
         events = kv_events_enabled(vllm_config)
@@ -139,6 +145,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_load_failure_policy = "recompute"
                 logger.info("kv_load_failure_policy set to 'recompute': a block that fails to load is recomputed")
             ns = namespace(vllm_config, self._spec, tp_rank=0)
+            # Stages that name blocks by namespace (Mooncake's objects) look up under the worker's names.
+            self._store.set_namespace(ns.digest(), dataclasses.asdict(ns))
             self._scheduler = UCMScheduler(
                 self._ucm_config,
                 self._spec,
