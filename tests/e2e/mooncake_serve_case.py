@@ -7,7 +7,8 @@ Both instances are configured as users of the seeds' Mooncake guide configure th
 find instance A's blocks only in the pool). The scenario fails by raising; its last line is ``scenario ok``.
 
 1. A answers a document question cold (hit external 0); B, which never saw it, answers it from A's blocks read
-   through the pool (every full block an external hit, no failed load): the same tokens.
+   through the pool (every full block an external hit, no failed load, counted on B's /metrics as tier ``pool``):
+   the same tokens.
 2. A answers two more documents, then is SIGKILLed (the instance whose segment holds their blocks). B answers the
    first: the pool may still list the blocks while their holder is gone, so B's load fails and vLLM recomputes, or
    B misses: the same tokens as A's, never other ones.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -109,6 +111,13 @@ def main(model: Path, tmp: Path) -> None:
         assert failed_loads(b.read_log()) == 0
         assert shared == cold, (shared, cold)
         print(f"B hit {full_blocks} blocks of A through the pool: same {len(cold)} tokens", flush=True)
+        metrics = urllib.request.urlopen(f"{b.url}/metrics", timeout=30).read().decode()
+        served = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("vllm:ucm_hit_blocks_total{") and 'tier="pool"' in line
+        ]
+        assert served and float(served[0].rsplit(" ", 1)[1]) == full_blocks, served
 
         # 2. The holder killed.
         answers = [chat(a, doc) for doc in docs[1:]]

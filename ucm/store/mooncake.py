@@ -74,6 +74,7 @@ from ucm.store.base import (
     tiered_lookup,
 )
 from ucm.store.codecs import CODEC_RAW
+from ucm.store.observe import Observation, Op, current_requests
 from ucm.store.posix.format import HEADER_NBYTES, check_block, check_encoded, namespace_tag, pack_header
 
 logger = init_logger(__name__)
@@ -356,7 +357,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         if self._pool_down():
             self._load_below(keys, dst, set(range(len(keys))), future)
             return Task(future)
-        pool_task = self._submit(self._get, keys, dst)
+        pool_task = self._submit(self._get, keys, dst, current_requests())
 
         def then(done: Future[set[int]]) -> None:
             try:
@@ -369,8 +370,10 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         pool_task.add_done_callback(then)
         return Task(future)
 
-    def _get(self, keys: list[bytes], dst: torch.Tensor) -> set[int]:
-        """Get ``keys`` from the pool into ``dst``'s rows, check them; the rows that failed."""
+    def _get(self, keys: list[bytes], dst: torch.Tensor, requests: tuple[str, ...] = ()) -> set[int]:
+        """Get ``keys`` from the pool into ``dst``'s rows, check them; the rows that failed (recorded as a load of
+        tier ``pool`` for ``requests``)."""
+        t0 = time.perf_counter()
         n, row_nbytes = dst.shape
         headers = np.empty((n, HEADER_NBYTES), dtype=np.uint8)
         names = [self._name(k) for k in keys]
@@ -394,6 +397,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
                     )
         if damaged:
             self._client.batch_remove(damaged, True)  # force: a lease must not keep a damaged object
+        self._record("load", n, n - len(failed), (n - len(failed)) * row_nbytes, time.perf_counter() - t0, requests)
         return failed
 
     def _load_below(self, keys: list[bytes], dst: torch.Tensor, failed: set[int], future: Future[TaskResult]) -> None:
@@ -463,11 +467,12 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         if self._pool_down():
             finish(set(range(len(keys))))
         else:
-            self._submit(self._put, keys, src).add_done_callback(then)
+            self._submit(self._put, keys, src, current_requests()).add_done_callback(then)
         return Task(future)
 
-    def _put(self, keys: list[bytes], src: torch.Tensor) -> set[int]:
-        """Put ``keys`` with ``src``'s rows into the pool; the rows not put."""
+    def _put(self, keys: list[bytes], src: torch.Tensor, requests: tuple[str, ...] = ()) -> set[int]:
+        """Put ``keys`` with ``src``'s rows into the pool; the rows not put (recorded as a dump of tier ``pool``)."""
+        t0 = time.perf_counter()
         n = src.shape[0]
         rows = src.numpy()
         headers = np.frombuffer(
@@ -485,7 +490,14 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
                 self._full.warn("Mooncake pool is full: %d of %d blocks not put", len(failed), n)
             else:
                 self._unreachable.warn("Mooncake pool: put status %d for %d of %d blocks", worst, len(failed), n)
+        ok = n - len(failed)
+        self._record("dump", n, ok, ok * src.shape[1], time.perf_counter() - t0, requests)
         return failed
+
+    def _record(self, op: Op, blocks: int, ok: int, nbytes: int, seconds: float, requests: tuple[str, ...]) -> None:
+        """Record a load (``ok``: blocks served from the pool) or dump (``ok``: blocks put) of tier ``pool``."""
+        if self._recorder.enabled:
+            self._recorder.record(Observation(op, "pool", blocks, ok, nbytes, seconds=seconds, requests=requests))
 
     # -- the rest of the contract ----------------------------------------------------------------------------
 

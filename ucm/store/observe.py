@@ -6,8 +6,8 @@ recorder hands it to its sinks, the metrics aggregator (``ucm.integration.vllm.m
 ``/metrics``) and, with ``enable_record_traces``, the trace writer (:mod:`ucm.store.traces`). A stage without a
 recorder (the default) records nothing.
 
-Tiers: ``dram`` (the ``Cache`` stage), ``compress`` (``Compress``), ``storage`` (``Posix``); lookups of the whole
-pipeline (the scheduler side) are ``all``.
+Tiers: ``dram`` (the ``Cache`` stage), ``compress`` (``Compress``), ``pool`` (``Mooncake``: loads and dumps of
+raw blocks), ``storage`` (``Posix``); lookups of the whole pipeline (the scheduler side) are ``all``.
 
 Residency (KV events): a stage also tells the recorder which block keys a tier starts or stops holding
 (:meth:`Recorder.record_keys`: a dump's or promotion's new DRAM blocks, an eviction, a block file written, deleted by
@@ -34,13 +34,13 @@ from ucm.logger import init_logger
 
 logger = init_logger(__name__)
 
-Tier = Literal["dram", "compress", "storage", "all"]
+Tier = Literal["dram", "compress", "pool", "storage", "all"]
 Op = Literal["lookup", "load", "dump", "load_failure", "dump_deferred"]
 # Why a block failed to load (``load_failure`` observations): no file; a file failing verification; an I/O error;
 # a file this version does not read (another format version, codec or block size), kept in place; a load abandoned
 # past ``load_timeout_ms`` (tier ``all``: recorded by the worker, whichever stage was slow).
 FAILURE_CAUSES = ("missing", "damaged", "io_error", "foreign", "timeout")
-TIERS = ("dram", "compress", "storage")
+TIERS = ("dram", "compress", "pool", "storage")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Observation:
         op: ``lookup`` (scheduler side: a request's prompt blocks looked up, tier ``all``), ``load``, ``dump``,
             ``load_failure`` (one block that failed to load, with its ``cause``), or ``dump_deferred`` (a worker's
             step whose dump waits for a later step: its dumps in flight were at their bound; tier ``all``).
-        tier: ``dram``, ``compress``, ``storage`` or ``all``.
+        tier: ``dram``, ``compress``, ``pool``, ``storage`` or ``all``.
         blocks: blocks asked of the tier (lookup: full prompt blocks beyond vLLM's own prefix-cache hit).
         ok: of those, blocks served (load, lookup: hits) or stored (dump).
         nbytes: bytes moved: a load's bytes handed to the caller, a dump's bytes taken from it (storage: block
