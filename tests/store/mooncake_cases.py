@@ -168,6 +168,12 @@ def case_tiers_over_posix(tmp: Path) -> None:
         assert store.lookup(keys) == 6
         dst, failed = load(store, keys)
         assert failed == frozenset() and torch.equal(dst, rows)
+        # Rows anywhere in memory (a Cache stage's slots): one batch from the pool, the rest from Posix, one task
+        # per row; a key in neither tier fails its row only.
+        scattered = [torch.zeros((1, ROW), dtype=torch.uint8) for _ in range(7)]
+        tasks = store.load_rows([*keys, keys_of(1, "nowhere")[0]], scattered)
+        assert [t.result(60).failed for t in tasks] == [frozenset()] * 6 + [frozenset({0})]
+        assert all(torch.equal(scattered[i][0], rows[i]) for i in range(6))
         removal = store.remove_stored(namespace=b"\x01\x02\x03\x04" * 4)
         assert removal.blocks == 5, removal
         assert store.lookup(keys) == 0
@@ -295,8 +301,13 @@ def case_pipelines_from_config(tmp: Path) -> None:
             dst = torch.zeros_like(rows)
             assert reader.load(keys, dst).result(60).ok and torch.equal(dst, rows), spec
             reader.close()
+            # vLLM's reset of external caches: the DRAM tier dropped, then the namespace removed from every tier.
+            assert store.drop_cached() == (4 if spec.startswith("Cache") else 0), spec
+            assert store.lookup(keys) == 4, spec
+            store.remove_stored(namespace=bytes([n + 1]) * 16)
+            assert store.lookup(keys) == 0, spec
             store.close()
-            print(f"pipeline {spec}: stored, found and loaded by a client without a segment", flush=True)
+            print(f"pipeline {spec}: stored, found and loaded by a client without a segment, reset", flush=True)
         # A client without a segment, alone in the pool: nowhere to put objects (a warning, not stored).
         alone = build_store(
             parse_config(

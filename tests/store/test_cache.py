@@ -730,3 +730,43 @@ def test_prepare_reaches_every_stage_of_a_pipeline(
         store.prepare(3 * NBYTES, 2)
         store.close()
     assert seen == [(3 * NBYTES, 2), (3 * NBYTES, 2)]
+
+
+class RowsCountingStore(DictStore):
+    """A stage below that counts its load_rows calls (the default: one load per key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load_rows_calls: list[int] = []
+
+    def load_rows(self, keys: Sequence[bytes], rows: Sequence[torch.Tensor]) -> list[Task]:
+        self.load_rows_calls.append(len(keys))
+        return super().load_rows(keys, rows)
+
+
+def test_misses_read_from_below_in_one_load_rows_call(close_after: Closer) -> None:
+    """A load's misses that get slots are asked of the stage below in one load_rows call (a stage such as Mooncake
+    answers it with one batch); each row's task stands alone: a block missing below fails only its row."""
+    below = RowsCountingStore()
+    keys, blocks = make_keys(4, seed=41), make_blocks(4, NBYTES, seed=41)
+    for key, block in zip(keys[:3], blocks[:3], strict=True):
+        below.blocks[key] = block.clone()
+    store = close_after(CacheStore(below, 16 * NBYTES))
+    dst = poisoned(4, NBYTES)
+    result = store.load(keys, dst).result(10)
+    assert result.failed == {3}
+    assert torch.equal(dst[:3], blocks[:3])
+    assert below.load_rows_calls == [4]
+    assert store.lookup(keys[:3]) == 3  # promoted from their slots
+
+
+def test_default_load_rows_checks_its_arguments_and_fails_per_row(tmp_path: Path, close_after: Closer) -> None:
+    posix = close_after(PosixStore([str(tmp_path)]))
+    keys, blocks = make_keys(3, seed=42), make_blocks(3, NBYTES, seed=42)
+    assert posix.dump(keys[:2], blocks[:2]).result(10).ok
+    rows = [poisoned(1, NBYTES) for _ in keys]
+    tasks = posix.load_rows(keys, rows)
+    assert [t.result(10).failed for t in tasks] == [frozenset(), frozenset(), frozenset({0})]
+    assert torch.equal(rows[0][0], blocks[0]) and torch.equal(rows[1][0], blocks[1])
+    with pytest.raises(ValueError, match="load_rows: 2 rows for 3 keys; give one row per key"):
+        posix.load_rows(keys, rows[:2])

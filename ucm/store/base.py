@@ -487,6 +487,32 @@ class UcmKVStoreBase(abc.ABC):
         The task's result names the keys that failed (absent or damaged); their ``dst`` rows are unspecified.
         """
 
+    def load_rows(self, keys: Sequence[bytes], rows: Sequence[torch.Tensor]) -> list[Task]:
+        """Start reading the block of ``keys[i]`` into ``rows[i]`` (each a uint8 ``[1, block_nbytes]`` tensor, CPU,
+        contiguous; anywhere in memory): one task per key, whose result names ``{0}`` as failed when that block
+        failed. A stage above that reads its misses into scattered buffers (the ``Cache`` stage's slots) calls this
+        once for all of them; stages where one call per batch is cheaper than one per block (``Mooncake``: one
+        round trip to the master) override it. This default makes one :meth:`load` per key.
+
+        Raises:
+            TypeError / ValueError: bad keys, ``rows`` not one per key, or a row not ``[1, block_nbytes]`` uint8.
+            RuntimeError: the store is closed.
+        """
+        check_keys(keys)
+        if len(rows) != len(keys):
+            raise ValueError(f"load_rows: {len(rows)} rows for {len(keys)} keys; give one row per key")
+        tasks: list[Task] = []
+        for key, row in zip(keys, rows, strict=True):
+            try:
+                tasks.append(self.load([key], row))
+            except Exception:
+                if not tasks:  # nothing started: the caller sees the error
+                    raise
+                # Loads already started must stay tracked (their rows are being written): fail only the rest.
+                logger.exception("load_rows: a load failed to start; its block and the ones after it fail")
+                tasks.append(Task.completed(TaskResult(1, frozenset({0}))))
+        return tasks
+
     def load_sharded(
         self,
         keys: Sequence[bytes],

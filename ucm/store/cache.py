@@ -891,23 +891,33 @@ class CacheStore(UcmKVStoreBase):
         slots: list[torch.Tensor | None],
         generation: int,
     ) -> list[_Read]:
-        """Start the loads of ``misses`` from the stage below: each miss with a slot into its slot, the others into
-        ``dst``, one load per run of consecutive rows. A load the stage below refuses to start fails its rows."""
+        """Start the loads of ``misses`` from the stage below: the misses with a slot into their slots (one
+        :meth:`~ucm.store.base.UcmKVStoreBase.load_rows` call), the others into ``dst``, one load per run of
+        consecutive rows. A load the stage below refuses to start fails its rows."""
         assert self._inner is not None
         reads: list[_Read] = []
         for i, slot in zip(misses, slots, strict=True):
             if slot is not None:
                 reads.append(_Read(None, [i], slot, generation))
-        for a, b in row_runs([i for i, slot in zip(misses, slots, strict=True) if slot is None]):
-            reads.append(_Read(None, list(range(a, b)), generation=generation))
-        for read in reads:
-            a, b = read.indices[0], read.indices[-1] + 1
-            buf = read.slot.view(1, -1) if read.slot is not None else dst[a:b]
+        if reads:
             try:
-                read.task = self._inner.load(keys[a:b], buf)
+                tasks = self._inner.load_rows(
+                    [keys[read.indices[0]] for read in reads],
+                    [read.slot.view(1, -1) for read in reads if read.slot is not None],
+                )
+                for read, task in zip(reads, tasks, strict=True):
+                    read.task = task
+            except Exception:
+                logger.exception("cache store: load of %d blocks from the stage below failed to start", len(reads))
+        runs = [_Read(None, list(range(a, b)), generation=generation)
+                for a, b in row_runs([i for i, slot in zip(misses, slots, strict=True) if slot is None])]  # fmt: skip
+        for read in runs:
+            a, b = read.indices[0], read.indices[-1] + 1
+            try:
+                read.task = self._inner.load(keys[a:b], dst[a:b])
             except Exception:
                 logger.exception("cache store: load of %d blocks from the stage below failed to start", b - a)
-        return reads
+        return reads + runs
 
     def _finish_load_safely(
         self, keys: list[bytes], dst: torch.Tensor, reads: list[_Read], result: Future[TaskResult]

@@ -357,7 +357,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         if self._pool_down():
             self._load_below(keys, dst, set(range(len(keys))), future)
             return Task(future)
-        pool_task = self._submit(self._get, keys, dst, current_requests())
+        pool_task = self._submit(self._get, keys, list(dst), current_requests())
 
         def then(done: Future[set[int]]) -> None:
             try:
@@ -370,24 +370,31 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         pool_task.add_done_callback(then)
         return Task(future)
 
-    def _get(self, keys: list[bytes], dst: torch.Tensor, requests: tuple[str, ...] = ()) -> set[int]:
-        """Get ``keys`` from the pool into ``dst``'s rows, check them; the rows that failed (recorded as a load of
-        tier ``pool`` for ``requests``)."""
+    def _get(self, keys: list[bytes], rows: list[torch.Tensor], requests: tuple[str, ...] = ()) -> set[int]:
+        """Get ``keys`` from the pool into ``rows`` (uint8 tensors of one block each, contiguous), check them; the
+        indices that failed (recorded as a load of tier ``pool`` for ``requests``)."""
         t0 = time.perf_counter()
-        n, row_nbytes = dst.shape
+        n = len(keys)
         headers = np.empty((n, HEADER_NBYTES), dtype=np.uint8)
         names = [self._name(k) for k in keys]
-        got = self._client.batch_get_into_multi_buffers(names, *_parts(headers, dst))
+        h0 = headers.ctypes.data
+        got = self._client.batch_get_into_multi_buffers(
+            names,
+            [[h0 + i * HEADER_NBYTES, row.data_ptr()] for i, row in enumerate(rows)],
+            [[HEADER_NBYTES, row.numel()] for row in rows],
+        )
         self._note_status(got)
-        expected = HEADER_NBYTES + row_nbytes
-        rows = dst.numpy()
         failed: set[int] = set()
         damaged: list[str] = []
+        nbytes = 0
         for i, status in enumerate(got):
+            expected = HEADER_NBYTES + rows[i].numel()
             if status != expected:  # absent (-704), of another size, holder gone, master unreachable
                 failed.add(i)
                 continue
-            reason = check_block(keys[i], memoryview(rows[i]), expected, status, memoryview(headers[i]))
+            reason = check_block(keys[i], rows[i].numpy().data, expected, status, memoryview(headers[i]))
+            if reason is None:
+                nbytes += rows[i].numel()
             if reason is not None:
                 failed.add(i)
                 if not reason.startswith(FOREIGN):
@@ -397,8 +404,56 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
                     )
         if damaged:
             self._client.batch_remove(damaged, True)  # force: a lease must not keep a damaged object
-        self._record("load", n, n - len(failed), (n - len(failed)) * row_nbytes, time.perf_counter() - t0, requests)
+        self._record("load", n, n - len(failed), nbytes, time.perf_counter() - t0, requests)
         return failed
+
+    def load_rows(self, keys: Sequence[bytes], rows: Sequence[torch.Tensor]) -> list[Task]:
+        """Read the block of ``keys[i]`` into ``rows[i]`` (uint8 ``[1, block_nbytes]``, CPU, contiguous, anywhere in
+        memory) with one batch get from the pool, then the blocks that failed there from the stage below (its
+        :meth:`~ucm.store.base.UcmKVStoreBase.load_rows`); one task per key.
+
+        Raises:
+            TypeError / ValueError: bad keys, ``rows`` not one per key or a row not ``[1, block_nbytes]`` uint8.
+            RuntimeError: the stage is closed.
+        """
+        check_keys(keys)
+        if len(rows) != len(keys):
+            raise ValueError(f"load_rows: {len(rows)} rows for {len(keys)} keys; give one row per key")
+        for i, row in enumerate(rows):
+            check_keys_and_buffer(keys[i : i + 1], row, f"rows[{i}]")
+        self._check_open()
+        keys, flat = list(keys), [row.view(-1) for row in rows]
+        futures: list[Future[TaskResult]] = [Future() for _ in keys]
+
+        def finish(failed: set[int]) -> None:
+            for i, future in enumerate(futures):
+                if i not in failed or self._inner is None:
+                    future.set_result(TaskResult(1, frozenset({0}) if i in failed else frozenset()))
+            if not failed or self._inner is None:
+                return
+            below_rows = sorted(failed)
+            try:
+                below = self._inner.load_rows([keys[i] for i in below_rows], [rows[i] for i in below_rows])
+            except Exception:
+                logger.exception("Mooncake stage: load of %d blocks from the stage below failed to start", len(failed))
+                below = [Task.completed(TaskResult(1, frozenset({0}))) for _ in below_rows]
+            for i, task in zip(below_rows, below, strict=True):
+                task.add_done_callback(functools.partial(lambda f, t: f.set_result(t.result()), futures[i]))
+
+        def then(done: Future[set[int]]) -> None:
+            try:
+                failed = done.result()
+            except Exception as exc:  # the client raising is a miss for every key, never wrong data
+                self._unreachable.warn("Mooncake pool: get failed (%s); misses", exc)
+                failed = set(range(len(keys)))
+            finish(failed)
+
+        if keys:
+            if self._pool_down():
+                finish(set(range(len(keys))))
+            else:
+                self._submit(self._get, keys, flat, current_requests()).add_done_callback(then)
+        return [Task(future) for future in futures]
 
     def _load_below(self, keys: list[bytes], dst: torch.Tensor, failed: set[int], future: Future[TaskResult]) -> None:
         """Load the rows ``failed`` in the pool from the stage below (runs of consecutive rows), then complete
@@ -521,6 +576,11 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         if keys is not None:
             return self._inner.remove_stored(keys=keys)
         return self._inner.remove_stored(namespace=namespace)
+
+    def drop_cached(self) -> int:
+        """Passed down: the pool is shared by instances, like storage, and stays (:meth:`remove_stored` empties
+        it)."""
+        return self._inner.drop_cached() if self._inner is not None else 0
 
     def encoded_store(self) -> EncodedStore | None:
         """This stage (encoded payloads as objects, see :meth:`dump_encoded`), unless the stage below cannot hold
