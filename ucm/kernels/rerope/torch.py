@@ -1,0 +1,150 @@
+"""ReRoPE attention over vLLM's paged KV cache, in torch (the CPU path; the oracle is ``naive``).
+
+vLLM caches keys already rotated by their absolute positions, and the model hands attention queries rotated by
+theirs. ReRoPE (Su Jianlin, "Rectified Rotary Position Embeddings", 2023; bojone/rerope) needs, for a query at
+position ``i`` and a key at position ``j`` with ``d = i - j >= window``, the score at the relative position
+``r = window + (d - window) / leaky_factor`` (``window`` for plain ReRoPE) instead of ``d``. Rotations compose
+(``R(a) R(b) = R(a + b)``), so this is re-rotation on the fly, with no second key copy in memory:
+
+- near keys (``d < window``): ``q_i . k_j`` as cached (ordinary RoPE attention);
+- far keys: ``(R(a_i) q_i) . (R(b_j) k_j)`` with ``b_j = j / leaky_factor - j`` and ``a_i = window - window /
+  leaky_factor + i / leaky_factor - i``, so that ``a_i + i - (b_j + j) = r`` (plain ReRoPE: ``b_j = -j``, the key
+  back at position 0, and ``a_i = window - i``).
+
+The two score matrices are merged by the mask ``d < window`` before one softmax. Rotation angles are computed in
+float64 (positions times inverse frequencies reach thousands of radians), the rotated vectors, scores and softmax in
+float32, the output in the query's dtype.
+
+Layouts: the CPU kernel variants' ``KVLayout.CPU_ATTN`` (``vec``, ``vec16``) and ``KVLayout.CPU_ATTN_AMX`` (``amx``),
+read through ``ucm.kernels.layouts.cpu_attn_kv_views`` (gathered per request into canonical ``[tokens,
+num_kv_heads, head_dim]`` order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
+
+# Queries scored at once per request (bounds the [chunk, heads, keys] score matrices).
+QUERY_CHUNK = 256
+
+
+def rotate_by(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float, neox: bool) -> torch.Tensor:
+    """``x`` (``[n, heads, head_dim]``) rotated by RoPE at ``positions`` (float64 ``[n]``, any real values, e.g.
+    negative or fractional), the angles in float64, the result float32 ``[n, heads, head_dim]``."""
+    half = rotary_dim // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
+    angles = positions[:, None] * inv_freq[None, :]
+    cos = angles.cos().to(torch.float32)[:, None, :]
+    sin = angles.sin().to(torch.float32)[:, None, :]
+    x = x.to(torch.float32)
+    out = x.clone()
+    if neox:
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:rotary_dim] = x2 * cos + x1 * sin
+    else:
+        x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = x1 * cos - x2 * sin
+        out[..., 1:rotary_dim:2] = x2 * cos + x1 * sin
+    return out
+
+
+def _request_kv(
+    k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` tokens' K and V of a request whose blocks are ``block_ids``: float32 ``[seq_len,
+    num_kv_heads, head_dim]`` each, from the layout views of :func:`cpu_attn_kv_views`."""
+    num_kv_heads = k.shape[3] if k.dim() == 6 else k.shape[2]
+    block_size = k.shape[1] * k.shape[2] if k.dim() == 6 else k.shape[1]
+    head_dim = (k.shape[4] * k.shape[5]) if k.dim() == 6 else k.shape[3]
+    n = -(-seq_len // block_size)
+    ids = block_ids[:n].long()
+    keys = k[ids].reshape(n * block_size, num_kv_heads, head_dim)[:seq_len]
+    values = v[ids].reshape(n * block_size, num_kv_heads, head_dim)[:seq_len]
+    return keys.to(torch.float32), values.to(torch.float32)
+
+
+def rerope_paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: KVLayout,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    window: int,
+    leaky_factor: float = math.inf,
+    rotary_dim: int | None = None,
+    base: float = 10000.0,
+    neox: bool = True,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal ReRoPE attention of a step's queries over one layer's paged KV (see the module docstring).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]`` queries rotated by their absolute positions (as vLLM's
+            attention receives them); request ``r``'s are rows ``query_start_loc[r] .. query_start_loc[r + 1]``,
+            the last tokens of its ``seq_lens[r]``.
+        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` in ``layout`` (CPU_ATTN or
+            CPU_ATTN_AMX), keys rotated by their absolute positions, this step's already written.
+        block_table: int ``[num_reqs, max_blocks]``; seq_lens: int ``[num_reqs]``; query_start_loc: int
+            ``[num_reqs + 1]``.
+        window: ReRoPE's window (>= 1); leaky_factor: >= 1 (``inf``: plain ReRoPE).
+        rotary_dim: rotated channels (None: head_dim); base: ``rope_theta``; neox: GPT-NeoX rotation.
+        scale: score scale (None: ``head_dim ** -0.5``).
+        out: ``[num_tokens, num_heads, head_dim]`` written in place when given.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype (``out`` when given).
+
+    Raises:
+        ValueError: a layout other than CPU_ATTN / CPU_ATTN_AMX, a cache that does not fit it, ``window`` < 1,
+            ``leaky_factor`` < 1, a bad ``rotary_dim``, or heads that do not group (num_heads % num_kv_heads).
+    """
+    _, num_heads, head_dim = query.shape
+    k, v = cpu_attn_kv_views(kv_cache, layout)
+    num_kv_heads = kv_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if not leaky_factor >= 1:
+        raise ValueError(f"leaky_factor must be >= 1 (inf: plain ReRoPE, 1: RoPE), got {leaky_factor}")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be even, >= 2 and <= head_dim ({head_dim}), got {rotary_dim}")
+    scale = head_dim**-0.5 if scale is None else scale
+    group = num_heads // num_kv_heads
+    inv_k = 0.0 if math.isinf(leaky_factor) else 1.0 / leaky_factor
+    result = torch.empty_like(query) if out is None else out
+    for r in range(seq_lens.shape[0]):
+        q0, q1 = int(query_start_loc[r]), int(query_start_loc[r + 1])
+        if q1 == q0:
+            continue
+        seq_len = int(seq_lens[r])
+        keys, values = _request_kv(k, v, block_table[r], seq_len)  # [L, Hkv, D]
+        k_pos = torch.arange(seq_len, dtype=torch.float64)
+        far_keys = None
+        if seq_len - 1 >= window:  # some query-key distance reaches the window
+            far_keys = rotate_by(keys, k_pos * inv_k - k_pos, rotary_dim, base, neox)
+        keys_h = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        values_h = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        far_h = far_keys.repeat_interleave(group, dim=1).transpose(0, 1) if far_keys is not None else None
+        for c0 in range(q0, q1, QUERY_CHUNK):
+            c1 = min(q1, c0 + QUERY_CHUNK)
+            q_pos = torch.arange(seq_len - (q1 - c0), seq_len - (q1 - c1), dtype=torch.float64)
+            q = query[c0:c1].to(torch.float32)
+            scores = torch.einsum("qhd,hkd->hqk", q, keys_h)  # [H, n, L]
+            d = q_pos[:, None] - k_pos[None, :]  # [n, L]
+            if far_h is not None:
+                q_far = rotate_by(query[c0:c1], window * (1 - inv_k) + q_pos * inv_k - q_pos, rotary_dim, base, neox)
+                scores = torch.where((d < window)[None], scores, torch.einsum("qhd,hkd->hqk", q_far, far_h))
+            scores = (scores * scale).masked_fill((d < 0)[None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            result[c0:c1] = torch.einsum("hqk,hkd->qhd", probs, values_h).to(result.dtype)
+    return result
