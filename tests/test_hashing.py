@@ -171,7 +171,15 @@ NAMESPACE_CHANGES = {
     "tp_size": 4,
     "tp_rank": -1,
     "format_version": CANONICAL_FORMAT_VERSION + 1,
+    "attention": "rerope(window=128,leaky_factor=None)",
 }
+
+
+def test_dense_attention_keeps_the_digest_of_namespaces_without_the_field() -> None:
+    """``attention`` joined the namespace later: a dense engine's namespace digest is the one computed before the
+    field existed (pinned here), so stores keep serving their blocks."""
+    assert NAMESPACE.attention == "dense"
+    assert NAMESPACE.digest().hex() == "9e31c04edea23480999b932990abfb76"
 
 
 def test_namespace_changes_cover_every_field() -> None:

@@ -425,15 +425,50 @@ class GSAConfig(_Strict):
         return self
 
 
+class ReRoPEConfig(_Strict):
+    """``ucm_sparse_config.ReRoPE``: rectified rotary position embedding (see ``ucm.kernels.rerope``): relative
+    positions below ``window`` as they are, larger ones read as ``window`` (or ``window + (d - window) /
+    leaky_factor``), so a RoPE model runs past its trained length without training."""
+
+    window: int = Field(
+        ge=1, description="Relative positions kept as they are (below the model's trained length, e.g. half of it)."
+    )
+    leaky_factor: float | None = Field(
+        None,
+        ge=1,
+        allow_inf_nan=False,
+        description="Leaky ReRoPE: distances beyond the window grow 1/leaky_factor as fast (null: plain ReRoPE, "
+        "every distance beyond the window read as the window).",
+    )
+
+    @field_validator("leaky_factor", mode="before")
+    @classmethod
+    def _int_is_float(cls, value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    def tag(self) -> str:
+        """What the namespace records of it (blocks computed with ReRoPE are kept apart from dense ones)."""
+        return f"rerope(window={self.window},leaky_factor={self.leaky_factor})"
+
+
 class UcmSparseConfig(_Strict):
-    """``ucm_sparse_config``: at most one sparse-attention method, keyed by its name."""
+    """``ucm_sparse_config``: at most one attention method, keyed by its name."""
 
     GSA: GSAConfig | None = Field(None, description="Block-sparse decode attention (Quest-style key bounds).")
+    ReRoPE: ReRoPEConfig | None = Field(
+        None, description="Rectified RoPE past the trained length, e.g. {window: 128} (ucm.kernels.rerope)."
+    )
+
+    @model_validator(mode="after")
+    def _one_method(self) -> UcmSparseConfig:
+        if self.GSA is not None and self.ReRoPE is not None:
+            raise ValueError("GSA and ReRoPE are both set; this version runs one attention method: keep one")
+        return self
 
     @property
     def method(self) -> str | None:
         """The name of the method switched on, or ``None``."""
-        return "GSA" if self.GSA is not None else None
+        return "GSA" if self.GSA is not None else "ReRoPE" if self.ReRoPE is not None else None
 
 
 class UcmConfig(_Strict):
@@ -562,6 +597,8 @@ def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
     names = [part for part in loc if isinstance(part, str)]
     if "GSA" in names:
         return GSAConfig
+    if "ReRoPE" in names:
+        return ReRoPEConfig
     if "mooncake" in names:
         return MooncakeConfig
     if "ucm_sparse_config" in names:

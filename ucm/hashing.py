@@ -46,6 +46,8 @@ class KVNamespace:
         tp_size: tensor-parallel size.
         tp_rank: this rank, or -1 when all ranks hold the same KV (MLA).
         format_version: canonical block format version.
+        attention: how the KV was computed, when not by dense attention (e.g. ReRoPE's window past which later
+            layers' KV differs from dense): ``"dense"`` is left out of the digest, so dense stores keep their keys.
     """
 
     model: str
@@ -57,10 +59,15 @@ class KVNamespace:
     tp_size: int = 1
     tp_rank: int = 0
     format_version: int = CANONICAL_FORMAT_VERSION
+    attention: str = "dense"
 
     def digest(self) -> bytes:
-        """16-byte digest of the namespace (canonical CBOR of the fields, then BLAKE2b-128)."""
-        return _digest(b"ucm-namespace", cbor2.dumps(asdict(self), canonical=True))
+        """16-byte digest of the namespace (canonical CBOR of the fields, ``attention`` only when not dense, then
+        BLAKE2b-128)."""
+        fields = asdict(self)
+        if fields["attention"] == "dense":
+            del fields["attention"]
+        return _digest(b"ucm-namespace", cbor2.dumps(fields, canonical=True))
 
 
 def request_seed(namespace_digest: bytes, cache_salt: str | None = None, lora_name: str | None = None) -> bytes:

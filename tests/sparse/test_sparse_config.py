@@ -27,7 +27,8 @@ def test_gsa_defaults_filled_in() -> None:
             "block_scoring": "sparq",
             "observation_window": 16,
             "score_channels": 16,
-        }
+        },
+        "ReRoPE": None,
     }
 
 
@@ -97,3 +98,27 @@ def test_unknown_key_names_the_allowed_ones() -> None:
 def test_bad_values(gsa: dict, message: str) -> None:
     with pytest.raises(UcmConfigError, match=message):
         parse_config({"ucm_sparse_config": {"GSA": gsa}})
+
+
+def test_rerope_section() -> None:
+    cfg = parse_config({"ucm_sparse_config": {"ReRoPE": {"window": 512}}})
+    assert cfg.ucm_sparse_config is not None and cfg.ucm_sparse_config.method == "ReRoPE"
+    assert cfg.to_log_dict()["ucm_sparse_config"]["ReRoPE"] == {"window": 512, "leaky_factor": None}
+    leaky = parse_config({"ucm_sparse_config": {"ReRoPE": {"window": 512, "leaky_factor": 16}}}).ucm_sparse_config
+    assert leaky is not None and leaky.ReRoPE is not None and leaky.ReRoPE.leaky_factor == 16.0
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"ReRoPE": {}}, "ucm_sparse_config.ReRoPE.window: Field required"),
+        ({"ReRoPE": {"window": 0}}, "ucm_sparse_config.ReRoPE.window: Input should be greater than or equal to 1"),
+        ({"ReRoPE": {"window": 64, "leaky_factor": 0.5}}, "leaky_factor: Input should be greater than or equal to 1"),
+        ({"ReRoPE": {"window": 64, "windw": 1}}, "unknown key 'windw' in ucm_sparse_config.ReRoPE; valid keys: "),
+        ({"GSA": {}, "ReRoPE": {"window": 64}}, "GSA and ReRoPE are both set"),
+    ],
+)
+def test_rerope_errors_name_the_key(section: dict, expected: str) -> None:
+    with pytest.raises(UcmConfigError) as info:
+        parse_config({"ucm_sparse_config": section})
+    assert expected in str(info.value)

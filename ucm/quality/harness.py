@@ -112,7 +112,7 @@ def _private_config(config_path: Path, store_dir: Path, out_path: Path) -> Path:
     data = yaml.safe_load(config_path.read_text()) or {}
     for entry in data.get("ucm_connectors") or []:
         cfg = entry.setdefault("ucm_connector_config", {})
-        if "storage_backends" in cfg or entry.get("ucm_connector_name") == "UcmPipelineStore":
+        if entry.get("ucm_connector_name", "UcmPipelineStore") == "UcmPipelineStore":  # the schema's default name
             cfg["storage_backends"] = str(store_dir)
     out_path.write_text(yaml.safe_dump(data, sort_keys=False))
     return out_path

@@ -96,9 +96,11 @@ def model_identity(vllm_config: VllmConfig) -> str:
     return f"{mc.model}@{mc.revision or ''}#{digest}"
 
 
-def namespace(vllm_config: VllmConfig, spec: KVSpec, tp_rank: int) -> KVNamespace:
-    """The block-key namespace of this engine and rank."""
+def namespace(vllm_config: VllmConfig, spec: KVSpec, tp_rank: int, attention: str = "dense") -> KVNamespace:
+    """The block-key namespace of this engine and rank; ``attention``: how its KV is computed when not densely (see
+    :class:`~ucm.hashing.KVNamespace`)."""
     return KVNamespace(
+        attention=attention,
         model=model_identity(vllm_config),
         kv_dtype=str(spec.dtype).removeprefix("torch."),
         block_size=spec.block_size,

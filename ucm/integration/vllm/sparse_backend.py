@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -49,10 +50,11 @@ from vllm.v1.attention.backends.cpu_attn import (
     _get_attn_isa,
 )
 
-from ucm.config import UcmConfigError, UcmSparseConfig, config_from_extra_config
+from ucm.config import ReRoPEConfig, UcmConfigError, UcmSparseConfig, config_from_extra_config
 from ucm.integration.vllm.engine_info import CPU_ISA_LAYOUTS
 from ucm.kernels.layouts import KVLayout
 from ucm.kernels.paged_keys import paged_keys
+from ucm.kernels.rerope.torch import rerope_paged_attention
 from ucm.logger import init_logger
 from ucm.sparse import BlockSummaries, SparseMethod, make_method
 
@@ -169,14 +171,51 @@ def sparse_config_of(vllm_config: Any) -> UcmSparseConfig | None:
     return _parsed[cache_key]
 
 
+@dataclasses.dataclass(frozen=True)
+class _ReRoPE:
+    """ReRoPE's settings for one layer: the config's window and leaky factor, the model's RoPE."""
+
+    window: int
+    leaky_factor: float
+    rotary_dim: int
+    base: float
+
+
+def _rerope_of(cfg: ReRoPEConfig, vllm_config: Any, head_size: int) -> _ReRoPE:
+    """ReRoPE's settings for a layer of ``head_size`` of the model in ``vllm_config``.
+
+    Raises:
+        UcmConfigError: the model's RoPE is scaled (``rope_type`` other than ``default``): ReRoPE rectifies plain RoPE
+            positions only.
+    """
+    hf = vllm_config.model_config.hf_text_config
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise UcmConfigError(
+            f"ucm_sparse_config.ReRoPE: the model's RoPE has rope_type {rope_type!r}; allowed: 'default' (ReRoPE "
+            "rectifies the positions of plain RoPE)"
+        )
+    base = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
+    leaky = math.inf if cfg.leaky_factor is None else cfg.leaky_factor
+    return _ReRoPE(cfg.window, leaky, int(head_size * partial), base)
+
+
 class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention impl, with UCM's sparse block selection at decode when ``ucm_sparse_config`` is on."""
+    """vLLM's CPU attention impl, with UCM's sparse block selection at decode when ``ucm_sparse_config`` is on, or
+    ReRoPE's rectified positions for requests longer than its window."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._method: SparseMethod | None = None
         self._summaries: BlockSummaries | None = None
+        self._rerope: _ReRoPE | None = None
         cfg = sparse_config_of(get_current_vllm_config())
+        if cfg is not None and cfg.ReRoPE is not None:
+            if self.attn_type == AttentionType.DECODER and self.sliding_window == -1 and self.sinks is None:
+                self._rerope = _rerope_of(cfg.ReRoPE, get_current_vllm_config(), self.head_size)
+            return
         method = make_method(cfg)
         if method is None:
             return
@@ -223,9 +262,45 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
         """
         if self._method is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:
             attn_metadata = self._sparse_metadata(layer, query, kv_cache, attn_metadata)
-        return super().forward(
+        result = super().forward(
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )
+        if self._rerope is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:
+            self._rectify(layer, query, kv_cache, attn_metadata, output)
+        return result
+
+    def _rectify(
+        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata, output: torch.Tensor
+    ) -> None:
+        """Recompute, with ReRoPE, the output rows of the requests whose keys reach the window (shorter requests'
+        dense results are ReRoPE's already: every distance is below the window)."""
+        rr = self._rerope
+        assert rr is not None
+        num_reqs = md.seq_lens.shape[0]
+        long_rows = (md.seq_lens[:num_reqs] > rr.window).nonzero().flatten().tolist()
+        if not long_rows:
+            return
+        layout = layout_of_isa(getattr(layer, "isa", None))
+        starts = md.query_start_loc
+        for r in long_rows:
+            q0, q1 = int(starts[r]), int(starts[r + 1])
+            if q1 == q0:
+                continue
+            n = q1 - q0
+            rerope_paged_attention(
+                query[q0:q1],
+                kv_cache,
+                layout,
+                md.block_table[r : r + 1],
+                md.seq_lens[r : r + 1],
+                torch.tensor([0, n], dtype=torch.int32),
+                window=rr.window,
+                leaky_factor=rr.leaky_factor,
+                rotary_dim=rr.rotary_dim,
+                base=rr.base,
+                scale=self.scale,
+                out=output[q0:q1].view(n, self.num_heads, self.head_size),
+            )
 
     def _sparse_metadata(
         self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata

@@ -120,6 +120,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER and self._ucm_config.ucm_sparse_config is not None:
             _check_sparse_backend()
         self._spec = kv_spec(kv_cache_config)
+        # ReRoPE changes the KV of later layers past its window: such blocks get a namespace of their own.
+        sparse = self._ucm_config.ucm_sparse_config
+        self._attention = sparse.ReRoPE.tag() if sparse is not None and sparse.ReRoPE is not None else "dense"
         load, dump = kv_role in ("kv_both", "kv_consumer"), kv_role in ("kv_both", "kv_producer")
         # A kv_consumer only loads: it may serve from a read-only store (e.g. a read-only mount of the shared dir).
         self._require_writable = dump
@@ -144,7 +147,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"
                 logger.info("kv_load_failure_policy set to 'recompute': a block that fails to load is recomputed")
-            ns = namespace(vllm_config, self._spec, tp_rank=0)
+            ns = namespace(vllm_config, self._spec, tp_rank=0, attention=self._attention)
             # Stages that name blocks by namespace (Mooncake's objects) look up under the worker's names.
             self._store.set_namespace(ns.digest(), dataclasses.asdict(ns))
             self._scheduler = UCMScheduler(
@@ -171,7 +174,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             # A load failing on one rank must drop the step's dumps on every rank (see ucm.integration.vllm.worker).
             any_rank = any_rank_of(get_tp_group().cpu_group) if tp_size > 1 else None
             # The request namespace (rank 0's, as the scheduler keys it) tags the block files for operators' tools.
-            ns = namespace(vllm_config, self._spec, tp_rank=0)
+            ns = namespace(vllm_config, self._spec, tp_rank=0, attention=self._attention)
             self._store.set_namespace(ns.digest(), dataclasses.asdict(ns))
             # A kv_producer never loads: no load buffer worth paging in; a kv_consumer never dumps: no dump buffer.
             request_blocks = load_buffer_blocks(vllm_config.model_config.max_model_len, self._spec)

@@ -32,14 +32,46 @@ from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
 QUERY_CHUNK = 256
 
 
-def rotate_by(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float, neox: bool) -> torch.Tensor:
-    """``x`` (``[n, heads, head_dim]``) rotated by RoPE at ``positions`` (float64 ``[n]``, any real values, e.g.
-    negative or fractional), the angles in float64, the result float32 ``[n, heads, head_dim]``."""
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's angles at ``positions`` (float64 ``[n]``, any real values), computed in float64:
+    float32 ``[n, 1, rotary_dim / 2]`` each."""
     half = rotary_dim // 2
     inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
     angles = positions[:, None] * inv_freq[None, :]
-    cos = angles.cos().to(torch.float32)[:, None, :]
-    sin = angles.sin().to(torch.float32)[:, None, :]
+    return angles.cos().to(torch.float32)[:, None, :], angles.sin().to(torch.float32)[:, None, :]
+
+
+class _KeyAngles:
+    """cos/sin of the far keys' re-rotation ``b_j = j * inv_k - j`` for ``j < n``, grown on demand and kept per
+    (rotary_dim, base, inv_k): a decode step then re-rotates its keys without computing a trigonometric function."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, n: int, rotary_dim: int, base: float, inv_k: float) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rotary_dim, base, inv_k)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < n:
+            size = max(n, 2 * table[0].shape[0] if table is not None else 1024)
+            j = torch.arange(size, dtype=torch.float64)
+            table = rope_cos_sin(j * inv_k - j, rotary_dim, base)
+            self._tables[key] = table
+        return table[0][:n], table[1][:n]
+
+
+_KEY_ANGLES = _KeyAngles()
+
+
+def rotate_by(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float, neox: bool) -> torch.Tensor:
+    """``x`` (``[n, heads, head_dim]``) rotated by RoPE at ``positions`` (float64 ``[n]``, any real values, e.g.
+    negative or fractional), the angles in float64, the result float32 ``[n, heads, head_dim]``."""
+    return rotate_with(x, *rope_cos_sin(positions, rotary_dim, base), rotary_dim, neox)
+
+
+def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, neox: bool) -> torch.Tensor:
+    """``x`` (``[n, heads, head_dim]``) rotated by the angles whose cos and sin are given (float32 ``[n, 1,
+    rotary_dim / 2]``, :func:`rope_cos_sin`); float32 ``[n, heads, head_dim]``."""
+    half = rotary_dim // 2
     x = x.to(torch.float32)
     out = x.clone()
     if neox:
@@ -131,20 +163,21 @@ def rerope_paged_attention(
         k_pos = torch.arange(seq_len, dtype=torch.float64)
         far_keys = None
         if seq_len - 1 >= window:  # some query-key distance reaches the window
-            far_keys = rotate_by(keys, k_pos * inv_k - k_pos, rotary_dim, base, neox)
-        keys_h = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-        values_h = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        far_h = far_keys.repeat_interleave(group, dim=1).transpose(0, 1) if far_keys is not None else None
+            far_keys = rotate_with(keys, *_KEY_ANGLES.get(seq_len, rotary_dim, base, inv_k), rotary_dim, neox)
         for c0 in range(q0, q1, QUERY_CHUNK):
             c1 = min(q1, c0 + QUERY_CHUNK)
+            n = c1 - c0
             q_pos = torch.arange(seq_len - (q1 - c0), seq_len - (q1 - c1), dtype=torch.float64)
-            q = query[c0:c1].to(torch.float32)
-            scores = torch.einsum("qhd,hkd->hqk", q, keys_h)  # [H, n, L]
+            # Grouped-query heads: query head h reads KV head h // group.
+            q = query[c0:c1].to(torch.float32).view(n, num_kv_heads, group, head_dim)
+            scores = torch.einsum("qhgd,khd->hgqk", q, keys)  # [Hkv, G, n, L]
             d = q_pos[:, None] - k_pos[None, :]  # [n, L]
-            if far_h is not None:
+            if far_keys is not None:
                 q_far = rotate_by(query[c0:c1], window * (1 - inv_k) + q_pos * inv_k - q_pos, rotary_dim, base, neox)
-                scores = torch.where((d < window)[None], scores, torch.einsum("qhd,hkd->hqk", q_far, far_h))
-            scores = (scores * scale).masked_fill((d < 0)[None], float("-inf"))
+                far = torch.einsum("qhgd,khd->hgqk", q_far.view(n, num_kv_heads, group, head_dim), far_keys)
+                scores = torch.where(d < window, scores, far)
+            scores = (scores * scale).masked_fill(d < 0, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            result[c0:c1] = torch.einsum("hqk,hkd->qhd", probs, values_h).to(result.dtype)
+            out_rows = torch.einsum("hgqk,khd->qhgd", probs, values).reshape(n, num_heads, head_dim)
+            result[c0:c1] = out_rows.to(result.dtype)
     return result

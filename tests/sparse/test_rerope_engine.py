@@ -1,0 +1,70 @@
+"""ReRoPE switched on from the UCM config, through the real engine (CPU build) and the real connector: the quality
+harness on the trained recall model (trained at 256 tokens), dense against ReRoPE (window 128), at 64, 256 and 1024
+tokens. Dense fails at 4x its training length; ReRoPE answers there as it does at 1x; a prompt shorter than the
+window gives dense's tokens exactly; the warm pass (every full block served by UCM's store) answers as the cold one;
+the store keeps ReRoPE's blocks under a namespace of their own."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.engine
+
+WINDOW = 128
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[dict, Path]:
+    work = tmp_path_factory.mktemp("rerope")
+    config = work / "ucm.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "ucm_connectors": [
+                    {
+                        "ucm_connector_name": "UcmPipelineStore",
+                        "ucm_connector_config": {"store_pipeline": "Cache|Posix"},
+                    }
+                ],
+                "ucm_sparse_config": {"ReRoPE": {"window": WINDOW}},
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ucm.quality", "--model", "recall", "--config", str(config), "--short",
+         "--lengths", "64,256,1024", "--work-dir", str(work / "work")],
+        capture_output=True, text=True, timeout=1200, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), work / "work"
+
+
+def test_rerope_answers_at_four_times_the_trained_length(run) -> None:
+    report, _ = run
+    dense = report["runs"]["dense"]["accuracy"]["recall"]
+    assert dense["256"] == 1.0 and dense["1024"] <= 0.5, dense  # dense collapses at 4x
+    for name in ("cold", "warm"):
+        acc = report["runs"][name]["accuracy"]["recall"]
+        assert acc["1024"] >= 0.9 * acc["256"] and acc["256"] == 1.0, (name, acc)
+
+
+def test_prompts_shorter_than_the_window_are_dense(run) -> None:
+    report, _ = run
+    for name in ("cold", "warm"):
+        mismatched = report["runs"][name]["vs_dense"]["mismatched"]
+        assert not [item for item in mismatched if item.startswith("recall-L64-")], mismatched
+
+
+def test_rerope_blocks_have_a_namespace_of_their_own(run) -> None:
+    _, work = run
+    (described,) = [json.loads(p.read_text()) for p in (work / "store" / "namespaces").glob("*.json")]
+    assert described["attention"] == f"rerope(window={WINDOW},leaky_factor=None)"
+    external = [int(m) for m in re.findall(r"hit external: (\d+)", (work / "ucm.log").read_text())]
+    assert 0 in external and max(external) >= 1024 // 128 - 1  # cold misses; warm: the 1024-token prompts' blocks
