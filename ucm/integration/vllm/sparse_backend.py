@@ -6,7 +6,10 @@ overrides the ``CPU_ATTN`` member of vLLM's ``AttentionBackendEnum`` (the CPU pl
 with :class:`UcmCPUAttentionBackend`: vLLM's own CPU backend with its impl subclassed.
 
 Each layer's impl reads UCM's config from ``kv_connector_extra_config`` (when the connector is ``UCMConnector``).
-With no sparse method on, ``forward`` is vLLM's, untouched (same metadata object, same kernel call). With GSA on:
+With no method on, ``forward`` is vLLM's, untouched (same metadata object, same kernel call). With ReRoPE on,
+vLLM's forward runs first (it also writes the step's KV), then the output rows of the requests longer than the
+window are recomputed with rectified positions (``ucm.kernels.rerope.torch``; rows no longer than the window are
+ReRoPE's already). With GSA on:
 
 - every step it marks the blocks written this step (``slot_mapping``) stale in the layer's summary table;
 - for the rows of the batch with one query token (decode; also a one-token prefill chunk), it asks the method for
