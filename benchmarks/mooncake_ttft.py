@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -87,7 +86,7 @@ from ucm.store.mooncake import connect  # noqa: E402
 from ucm.store.posix.format import HEADER, HEADER_NBYTES  # noqa: E402
 from ucm.testing.engine import HIT_RE, failed_loads, ucm_transfer_config  # noqa: E402
 from ucm.testing.models import ensure_smollm2  # noqa: E402
-from ucm.testing.mooncake import MooncakeMaster, loopback_netns_argv  # noqa: E402
+from ucm.testing.mooncake import MooncakeMaster, loopback_netns_argv, write_mooncake_json  # noqa: E402
 from ucm.testing.server import VllmServer, http_json, stream_completion  # noqa: E402
 
 _IN_NETNS = "UCM_MOONCAKE_TTFT_NETNS"
@@ -295,19 +294,7 @@ def paired_ratios(num: dict[int, float], den: dict[int, float]) -> list[float]:
 
 def write_configs(tmp: Path, master: MooncakeMaster, args: argparse.Namespace) -> dict[str, Path]:
     """The guide's ``mooncake.json`` and a UCM YAML per store directory (``a`` for instances 1 and 3, ``b`` for 2)."""
-    mooncake_json = tmp / "mooncake.json"
-    mooncake_json.write_text(
-        json.dumps(
-            {
-                "metadata_server": "P2PHANDSHAKE",
-                "protocol": "tcp",
-                "device_name": "",
-                "master_server_address": master.address,
-                "global_segment_size": int(args.segment_gib * 2**30),
-            },
-            indent=2,
-        )
-    )
+    mooncake_json = write_mooncake_json(tmp / "mooncake.json", master.address, int(args.segment_gib * 2**30))
     paths = {"mooncake.json": mooncake_json}
     for name in ("a", "b"):
         store = args.store_root / name

@@ -17,7 +17,6 @@ find instance A's blocks only in the pool). The scenario fails by raising; its l
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import urllib.request
@@ -26,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from ucm.testing.engine import HIT_RE, failed_loads, ucm_transfer_config
-from ucm.testing.mooncake import MooncakeMaster
+from ucm.testing.mooncake import MooncakeMaster, write_mooncake_json
 from ucm.testing.server import VllmServer, http_json
 from ucm.testing.texts import prompt_of_tokens, source_texts
 
@@ -68,18 +67,7 @@ def main(model: Path, tmp: Path) -> None:
     full_blocks = len(tokenizer.encode(prompt, add_special_tokens=False)) // BLOCK_SIZE
 
     master = MooncakeMaster(tmp / "master.log")
-    mooncake_json = tmp / "mooncake.json"
-    mooncake_json.write_text(
-        json.dumps(
-            {
-                "metadata_server": "P2PHANDSHAKE",
-                "protocol": "tcp",
-                "device_name": "",
-                "master_server_address": master.address,
-                "global_segment_size": 256 << 20,
-            }
-        )
-    )
+    mooncake_json = write_mooncake_json(tmp / "mooncake.json", master.address, 256 << 20)
     config = tmp / "ucm.yaml"
     config.write_text(
         yaml.safe_dump(

@@ -290,6 +290,15 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         if RPC_FAIL in codes:
             self._down_until = time.monotonic() + POOL_RETRY_S
 
+    def _failed_rows(self, done: Future[set[int]], n: int, verb: str) -> set[int]:
+        """The rows a pool call (``done``, a ``get`` or ``put`` of ``n`` rows) failed: all of them when the client
+        raised (a miss or a skipped put, never wrong data; a warning at most every 30 s)."""
+        try:
+            return done.result()
+        except Exception as exc:
+            self._unreachable.warn("Mooncake pool: %s failed (%s); %d blocks not served by the pool", verb, exc, n)
+            return set(range(n))
+
     def _name(self, key: bytes) -> str:
         return f"ucm/{self._ns_tag:08x}/{key.hex()}"
 
@@ -360,12 +369,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         pool_task = self._submit(self._get, keys, list(dst), current_requests())
 
         def then(done: Future[set[int]]) -> None:
-            try:
-                failed = done.result()
-            except Exception as exc:  # the client raising is a miss for every key, never wrong data
-                self._unreachable.warn("Mooncake pool: get failed (%s); misses", exc)
-                failed = set(range(len(keys)))
-            self._load_below(keys, dst, failed, future)
+            self._load_below(keys, dst, self._failed_rows(done, len(keys), "get"), future)
 
         pool_task.add_done_callback(then)
         return Task(future)
@@ -441,12 +445,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
                 task.add_done_callback(functools.partial(lambda f, t: f.set_result(t.result()), futures[i]))
 
         def then(done: Future[set[int]]) -> None:
-            try:
-                failed = done.result()
-            except Exception as exc:  # the client raising is a miss for every key, never wrong data
-                self._unreachable.warn("Mooncake pool: get failed (%s); misses", exc)
-                failed = set(range(len(keys)))
-            finish(failed)
+            finish(self._failed_rows(done, len(keys), "get"))
 
         if keys:
             if self._pool_down():
@@ -512,12 +511,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
                 below.add_done_callback(lambda t: future.set_result(t.result()))
 
         def then(done: Future[set[int]]) -> None:
-            try:
-                pool_failed = done.result()
-            except Exception as exc:
-                self._unreachable.warn("Mooncake pool: put failed (%s); not in the pool", exc)
-                pool_failed = set(range(len(keys)))
-            finish(pool_failed)
+            finish(self._failed_rows(done, len(keys), "put"))
 
         if self._pool_down():
             finish(set(range(len(keys))))
@@ -627,11 +621,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         future: Future[TaskResult] = Future()
 
         def then(done: Future[set[int]]) -> None:
-            try:
-                failed = done.result()
-            except Exception as exc:
-                self._unreachable.warn("Mooncake pool: put failed (%s); not in the pool", exc)
-                failed = set(range(len(keys)))
+            failed = self._failed_rows(done, len(keys), "put")
             if below is None:
                 future.set_result(TaskResult(len(keys), frozenset(failed)))
             else:
@@ -689,11 +679,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
             return failed
 
         def then(done: Future[set[int]]) -> None:
-            try:
-                failed = done.result()
-            except Exception as exc:
-                self._unreachable.warn("Mooncake pool: get failed (%s); misses", exc)
-                failed = set(range(len(keys)))
+            failed = self._failed_rows(done, len(keys), "get")
             below_store = self._inner.encoded_store() if self._inner is not None else None
             if not failed or below_store is None:
                 future.set_result(TaskResult(len(keys), frozenset(failed)))

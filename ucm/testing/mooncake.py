@@ -8,6 +8,7 @@ same namespace (started by the scenario with :class:`MooncakeMaster`), bound to 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -48,6 +49,21 @@ def netns_unusable_reason() -> str | None:
     if probe.returncode != 0:
         return f"cannot make a network namespace: {probe.stderr.strip()[:200]}"
     return None
+
+
+def write_mooncake_json(path: str | os.PathLike[str], master_address: str, segment_bytes: int) -> Path:
+    """Write a client config as the seeds' Mooncake guide has users write it (``mooncake.json``: P2PHANDSHAKE, tcp,
+    the master's address, ``global_segment_size`` bytes), for ``MOONCAKE_CONFIG_PATH``; returns its path."""
+    config = {
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "device_name": "",
+        "master_server_address": master_address,
+        "global_segment_size": segment_bytes,
+    }
+    out = Path(path)
+    out.write_text(json.dumps(config, indent=2))
+    return out
 
 
 class MooncakeMaster:

@@ -70,19 +70,20 @@ def rotate_by(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: f
 
 def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, neox: bool) -> torch.Tensor:
     """``x`` (``[n, heads, head_dim]``) rotated by the angles whose cos and sin are given (float32 ``[n, 1,
-    rotary_dim / 2]``, :func:`rope_cos_sin`); float32 ``[n, heads, head_dim]``."""
-    half = rotary_dim // 2
+    rotary_dim / 2]``, :func:`rope_cos_sin`); float32 ``[n, heads, head_dim]``. Written as ``x * cos + rotate_half(x)
+    * sin`` over the rotated channels (the pairs are the two halves for NeoX, neighbours for GPT-J)."""
     x = x.to(torch.float32)
-    out = x.clone()
+    rot = x[..., :rotary_dim]
     if neox:
-        x1, x2 = x[..., :half], x[..., half:rotary_dim]
-        out[..., :half] = x1 * cos - x2 * sin
-        out[..., half:rotary_dim] = x2 * cos + x1 * sin
+        first, second = rot.chunk(2, dim=-1)
+        turned = torch.cat((-second, first), dim=-1)
+        cos_full, sin_full = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     else:
-        x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
-        out[..., 0:rotary_dim:2] = x1 * cos - x2 * sin
-        out[..., 1:rotary_dim:2] = x2 * cos + x1 * sin
-    return out
+        pairs = rot.unflatten(-1, (-1, 2))
+        turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        cos_full, sin_full = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    rotated = rot * cos_full + turned * sin_full
+    return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
 def _request_kv(
