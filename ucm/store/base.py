@@ -509,7 +509,7 @@ class UcmKVStoreBase(abc.ABC):
                 if not tasks:  # nothing started: the caller sees the error
                     raise
                 # Loads already started must stay tracked (their rows are being written): fail only the rest.
-                logger.exception("load_rows: a load failed to start; its block and the ones after it fail")
+                logger.exception("load_rows: a load failed to start; its block fails, the others go on")
                 tasks.append(Task.completed(TaskResult(1, frozenset({0}))))
         return tasks
 
