@@ -145,12 +145,12 @@ def connect(
     return client
 
 
-def _parts(headers: np.ndarray, rows: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+def _parts(headers: np.ndarray, rows: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
     """Mooncake's multi-buffer arguments for objects made of ``headers`` row i (uint8, ``HEADER_NBYTES`` each) then
-    ``rows`` row i: (addresses, sizes) per object."""
-    n, row_nbytes = rows.shape
-    h0, r0 = headers.ctypes.data, rows.data_ptr()
-    return [[h0 + i * HEADER_NBYTES, r0 + i * row_nbytes] for i in range(n)], [[HEADER_NBYTES, row_nbytes]] * n
+    ``rows[i]`` (a contiguous uint8 block, anywhere in memory): (addresses, sizes) per object."""
+    h0 = headers.ctypes.data
+    addresses = [[h0 + i * HEADER_NBYTES, row.data_ptr()] for i, row in enumerate(rows)]
+    return addresses, [[HEADER_NBYTES, row.numel()] for row in rows]
 
 
 class UcmMooncakeError(RuntimeError):
@@ -381,12 +381,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
         n = len(keys)
         headers = np.empty((n, HEADER_NBYTES), dtype=np.uint8)
         names = [self._name(k) for k in keys]
-        h0 = headers.ctypes.data
-        got = self._client.batch_get_into_multi_buffers(
-            names,
-            [[h0 + i * HEADER_NBYTES, row.data_ptr()] for i, row in enumerate(rows)],
-            [[HEADER_NBYTES, row.numel()] for row in rows],
-        )
+        got = self._client.batch_get_into_multi_buffers(names, *_parts(headers, rows))
         self._note_status(got)
         failed: set[int] = set()
         damaged: list[str] = []
@@ -529,7 +524,7 @@ class MooncakeStore(UcmKVStoreBase, EncodedStore):
             dtype=np.uint8,
         )
         status = self._client.batch_put_from_multi_buffers(
-            [self._name(k) for k in keys], *_parts(headers, src), *self._placement
+            [self._name(k) for k in keys], *_parts(headers, list(src)), *self._placement
         )
         self._note_status(status)
         failed = {i for i, s in enumerate(status) if s != 0}

@@ -53,7 +53,11 @@ def netns_unusable_reason() -> str | None:
 
 def write_mooncake_json(path: str | os.PathLike[str], master_address: str, segment_bytes: int) -> Path:
     """Write a client config as the seeds' Mooncake guide has users write it (``mooncake.json``: P2PHANDSHAKE, tcp,
-    the master's address, ``global_segment_size`` bytes), for ``MOONCAKE_CONFIG_PATH``; returns its path."""
+    the master's address, ``global_segment_size`` bytes), for ``MOONCAKE_CONFIG_PATH``; returns its path.
+
+    Raises:
+        OSError: ``path`` cannot be written.
+    """
     config = {
         "metadata_server": "P2PHANDSHAKE",
         "protocol": "tcp",

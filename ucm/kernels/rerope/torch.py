@@ -87,17 +87,16 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_di
 
 
 def _request_kv(
-    k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+    k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, seq_len: int, geometry: tuple[int, int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``seq_len`` tokens' K and V of a request whose blocks are ``block_ids``: float32 ``[seq_len,
-    num_kv_heads, head_dim]`` each, from the layout views of :func:`cpu_attn_kv_views`."""
-    num_kv_heads = k.shape[3] if k.dim() == 6 else k.shape[2]
-    block_size = k.shape[1] * k.shape[2] if k.dim() == 6 else k.shape[1]
-    head_dim = (k.shape[4] * k.shape[5]) if k.dim() == 6 else k.shape[3]
+    num_kv_heads, head_dim]`` each, from the layout views of :func:`cpu_attn_kv_views` (dims in canonical order, so
+    whole blocks reshape to tokens); ``geometry``: ``(block_size, num_kv_heads, head_dim)`` of the cache."""
+    block_size = geometry[0]
     n = -(-seq_len // block_size)
     ids = block_ids[:n].long()
-    keys = k[ids].reshape(n * block_size, num_kv_heads, head_dim)[:seq_len]
-    values = v[ids].reshape(n * block_size, num_kv_heads, head_dim)[:seq_len]
+    keys = k[ids].reshape(n * block_size, *geometry[1:])[:seq_len]
+    values = v[ids].reshape(n * block_size, *geometry[1:])[:seq_len]
     return keys.to(torch.float32), values.to(torch.float32)
 
 
@@ -141,7 +140,8 @@ def rerope_paged_attention(
     """
     _, num_heads, head_dim = query.shape
     k, v = cpu_attn_kv_views(kv_cache, layout)
-    num_kv_heads = kv_cache.shape[1]
+    _, num_kv_heads, block_size, _ = kv_cache.shape
+    geometry = (block_size, num_kv_heads, head_dim)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if window < 1:
@@ -160,7 +160,7 @@ def rerope_paged_attention(
         if q1 == q0:
             continue
         seq_len = int(seq_lens[r])
-        keys, values = _request_kv(k, v, block_table[r], seq_len)  # [L, Hkv, D]
+        keys, values = _request_kv(k, v, block_table[r], seq_len, geometry)  # [L, Hkv, D]
         k_pos = torch.arange(seq_len, dtype=torch.float64)
         far_keys = None
         if seq_len - 1 >= window:  # some query-key distance reaches the window
