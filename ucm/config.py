@@ -451,6 +451,75 @@ class ReRoPEConfig(_Strict):
         return f"rerope(window={self.window},leaky_factor={self.leaky_factor})"
 
 
+class BlendLayerConfig(_Strict):
+    """One entry of ``ucm_sparse_config.Blend.compute_meta``: what CacheBlend does at that attention layer."""
+
+    ratio: float = Field(
+        0.15,
+        ge=0,
+        le=1,
+        description="Fraction of the tokens with stored KV recomputed from this layer on: those whose KV deviates "
+        "most from the stored KV here (tokens without stored KV are always recomputed; 0: reuse as stored; 1: "
+        "recompute all, the full prefill's result).",
+    )
+
+    @field_validator("ratio", mode="before")
+    @classmethod
+    def _int_is_float(cls, value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+BLEND_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
+
+
+class BlendConfig(_Strict):
+    """``ucm_sparse_config.Blend``: CacheBlend (Yao et al., EuroSys 2025, arXiv 2405.16444): reuse the stored KV of
+    the prompt's chunks wherever they appear, recomputing the tokens whose KV deviates most (see
+    ``ucm.integration.vllm.blend``). Key names are UCM upstream's."""
+
+    chunk_end_token_id: int = Field(
+        ge=0, description="Token id that ends each chunk of the prompt (e.g. a special token of the tokenizer)."
+    )
+    compute_meta: dict[str, BlendLayerConfig] = Field(
+        default_factory=lambda: {"model.layers.1.self_attn.attn": BlendLayerConfig(ratio=0.15)},
+        description="{attention layer name: {ratio: r}}: the layer where the tokens to recompute are chosen (all "
+        "tokens are recomputed up to it); exactly one entry in this version.",
+    )
+    store_chunks: bool = Field(
+        True,
+        description="Compute a chunk the store lacks on its own (positions from 0, as if it began a prompt) and "
+        "store it, so that later prompts find it in any position (false: such chunks are recomputed in place and "
+        "not stored).",
+    )
+
+    @field_validator("compute_meta")
+    @classmethod
+    def _one_layer(cls, value: dict[str, BlendLayerConfig]) -> dict[str, BlendLayerConfig]:
+        if len(value) != 1:
+            raise ValueError(
+                f"compute_meta has {len(value)} entries ({sorted(value)}); this version takes exactly 1, e.g. "
+                "{'model.layers.1.self_attn.attn': {ratio: 0.15}}"
+            )
+        name = next(iter(value))
+        if not BLEND_LAYER_RE.match(name):
+            raise ValueError(
+                f"compute_meta key {name!r} is not an attention layer name; allowed: 'model.layers.<i>.self_attn.attn'"
+            )
+        return value
+
+    @property
+    def check_layer(self) -> int:
+        """Index of the decoder layer named in ``compute_meta``."""
+        match = BLEND_LAYER_RE.match(next(iter(self.compute_meta)))
+        assert match is not None  # validated
+        return int(match.group(1))
+
+    @property
+    def ratio(self) -> float:
+        """The recompute ratio of ``compute_meta``'s layer."""
+        return next(iter(self.compute_meta.values())).ratio
+
+
 class UcmSparseConfig(_Strict):
     """``ucm_sparse_config``: at most one attention method, keyed by its name."""
 
@@ -459,16 +528,24 @@ class UcmSparseConfig(_Strict):
         None, description="Rectified RoPE past the trained length, e.g. {window: 128} (ucm.kernels.rerope)."
     )
 
+    Blend: BlendConfig | None = Field(
+        None,
+        description="CacheBlend: reuse the stored KV of non-prefix chunks, e.g. {chunk_end_token_id: 2, compute_meta: "
+        "{'model.layers.1.self_attn.attn': {ratio: 0.15}}} (ucm.integration.vllm.blend).",
+    )
+
     @model_validator(mode="after")
     def _one_method(self) -> UcmSparseConfig:
-        if self.GSA is not None and self.ReRoPE is not None:
-            raise ValueError("GSA and ReRoPE are both set; this version runs one attention method: keep one")
+        on = [name for name in ("GSA", "ReRoPE", "Blend") if getattr(self, name) is not None]
+        if len(on) > 1:
+            both = "both" if len(on) == 2 else "all"
+            raise ValueError(f"{' and '.join(on)} are {both} set; this version runs one attention method: keep one")
         return self
 
     @property
     def method(self) -> str | None:
         """The name of the method switched on, or ``None``."""
-        return "GSA" if self.GSA is not None else "ReRoPE" if self.ReRoPE is not None else None
+        return next((name for name in ("GSA", "ReRoPE", "Blend") if getattr(self, name) is not None), None)
 
 
 class UcmConfig(_Strict):
@@ -599,6 +676,10 @@ def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
         return GSAConfig
     if "ReRoPE" in names:
         return ReRoPEConfig
+    if "compute_meta" in names:
+        return BlendLayerConfig
+    if "Blend" in names:
+        return BlendConfig
     if "mooncake" in names:
         return MooncakeConfig
     if "ucm_sparse_config" in names:

@@ -670,3 +670,60 @@ def test_vllm_scheduler_prefill_and_decode_instances(loops):
     while consumer.scheduler.requests:
         _, meta, _ = consumer.step()
         assert meta.dumps == []
+
+
+# ------------------------------------------------------------------------------- CacheBlend's runs
+END = 7  # the chunk-end token id of these tests (tokens() gives ids from 1000 up)
+
+
+def blend_config(tmp_path: Path) -> UcmConfig:
+    return config_from_extra_config(
+        {**ucm_extra_config(tmp_path / "store"), "ucm_sparse_config": {"Blend": {"chunk_end_token_id": END}}}
+    )
+
+
+def test_blend_offers_the_chunks_past_the_stored_prefix_and_dumps_nothing(tmp_path, log):
+    """Chunks of 2.5 blocks each, the first stored as a prefix: the scheduler offers every token up to the last
+    chunk's end (not only the stored prefix), sends the run with the chunks and the blocks to fill, loads the stored
+    prefix as usual, and plans no dump for the request (its KV past the prefix is approximate)."""
+    cfg = blend_config(tmp_path)
+    chunk = 2 * BLOCK_SIZE + BLOCK_SIZE // 2
+    a, b, c = ([*tokens(chunk - 1, start), END] for start in (1000, 3000, 5000))
+    question = tokens(9, 7000)
+    ids = a + b + c + question
+    fill_store(cfg, keys_of(a)[:2])
+    st = build_store(cfg.store)
+    try:
+        sched = UCMScheduler(cfg, SPEC, NAMESPACE, st, load=True, dump=True)
+        request = make_request("r", ids)
+        num_external, _ = sched.get_num_new_matched_tokens(request, 0)
+        assert num_external == 3 * chunk  # through the last chunk-end token
+        block_ids = list(range(20, 20 + -(-len(ids) // BLOCK_SIZE)))
+        sched.update_state_after_alloc(request, kv_blocks(block_ids), num_external)
+        meta = sched.build_connector_meta(new_step(request, block_ids, num_external, len(ids) - num_external))
+    finally:
+        st.close()
+    assert transfers(meta.loads) == [("r", keys_of(a)[:2], block_ids[:2], False)]
+    (run,) = meta.blends
+    assert (run.start, run.end) == (2 * BLOCK_SIZE, 3 * chunk)
+    assert run.spans == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, 3 * chunk)]
+    assert run.token_ids == ids[: 3 * chunk] and run.block_ids == block_ids[: -(-3 * chunk // BLOCK_SIZE)]
+    assert meta.dumps == []
+    assert log.messages(logging.INFO)[-1].endswith(f"hit external: 2, blend: tokens {2 * BLOCK_SIZE}-{3 * chunk}")
+
+
+@pytest.mark.parametrize(
+    ("ids", "want"),
+    [(tokens(3 * BLOCK_SIZE), 0), ([*tokens(BLOCK_SIZE - 1), END], BLOCK_SIZE - 1)],
+    ids=["no-chunk-end", "prompt-ends-with-chunk-end"],
+)
+def test_blend_needs_a_chunk_end_and_leaves_the_last_token(tmp_path, ids, want):
+    """No chunk-end token: an ordinary request (nothing offered on an empty store). A prompt ending with one: the
+    run stops one token short (vLLM computes the last token, whose logits it samples)."""
+    cfg = blend_config(tmp_path)
+    st = build_store(cfg.store)
+    try:
+        sched = UCMScheduler(cfg, SPEC, NAMESPACE, st, load=True, dump=True)
+        assert sched.get_num_new_matched_tokens(make_request("r", ids), 0) == (want, False)
+    finally:
+        st.close()

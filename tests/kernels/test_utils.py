@@ -10,6 +10,7 @@ import torch
 
 from ucm.config import GSAConfig
 from ucm.kernels import KVLayout, gather_blocks, gather_layers, scatter_blocks, scatter_layers
+from ucm.kernels.blend import kv_deviation, rope_delta_, select_recompute
 from ucm.kernels.key_bounds import block_scores, block_summaries
 from ucm.kernels.kvfold import dequantize_int8_groups, merge_bf16_planes, quantize_int8_groups, split_bf16_planes
 from ucm.kernels.paged_keys import paged_keys
@@ -63,6 +64,9 @@ def _ops() -> dict[str, Callable[[str], object]]:
         ),  # type: ignore[arg-type]
         "sparq_query": lambda impl: sparq_query(torch.zeros((1, 4, 32)), 2, 8, 0.125, impl=impl),  # type: ignore[arg-type]
         "sparq_block_lse": lambda impl: sparq_block_lse(q, chans, keys, table, lens, impl=impl),  # type: ignore[arg-type]
+        "rope_delta_": lambda impl: rope_delta_(torch.zeros((2, 2, 8)), torch.tensor([0, 3]), impl=impl),  # type: ignore[arg-type]
+        "kv_deviation": lambda impl: kv_deviation(*[torch.zeros((2, 2, 8))] * 4, impl=impl),  # type: ignore[arg-type]
+        "select_recompute": lambda impl: select_recompute(torch.zeros(4), 0.5, impl=impl),  # type: ignore[arg-type]
         "keep_blocks": lambda impl: keep_blocks(
             torch.zeros((1, 4, 2)), 1.0, torch.tensor([0]), table, lens, 16, GSAConfig(), impl=impl
         ),  # type: ignore[arg-type]

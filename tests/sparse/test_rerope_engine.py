@@ -68,3 +68,35 @@ def test_rerope_blocks_have_a_namespace_of_their_own(run) -> None:
     assert described["attention"] == f"rerope(window={WINDOW},leaky_factor=None)"
     external = [int(m) for m in re.findall(r"hit external: (\d+)", (work / "ucm.log").read_text())]
     assert 0 in external and max(external) >= 1024 // 128 - 1  # cold misses; warm: the 1024-token prompts' blocks
+
+
+def test_a_restart_hit_gives_the_same_answers(tmp_path: Path) -> None:
+    """ReRoPE on, 1024-token recall prompts (8 windows): a second engine process on the same store (a restart) loads
+    every full block from storage and gives the first process's tokens, with its log-probs to float rounding."""
+    from ucm.quality import RECALL_MODEL_DIR
+    from ucm.quality.harness import build_items, model_max_len
+    from ucm.testing.engine import run_engine, ucm_transfer_config
+
+    items = build_items(RECALL_MODEL_DIR, "recall", [1024], short=True, seed=3)[:3]
+    extra = {
+        "ucm_connectors": [
+            {
+                "ucm_connector_name": "UcmPipelineStore",
+                "ucm_connector_config": {"store_pipeline": "Cache|Posix", "storage_backends": str(tmp_path / "s")},
+            }
+        ],
+        "ucm_sparse_config": {"ReRoPE": {"window": WINDOW}},
+    }
+    spec = {
+        "model": str(RECALL_MODEL_DIR),
+        "max_model_len": model_max_len(RECALL_MODEL_DIR),
+        "kvcache_gib": 1,
+        "connector": ucm_transfer_config(extra),
+        "requests": [{"prompt": it.prompt, "max_tokens": it.max_tokens, "reset_prefix_cache": True} for it in items],
+    }
+    cold, _ = run_engine(spec)
+    restart, _ = run_engine(spec)
+    for first, again in zip(cold, restart, strict=True):
+        assert first.hit_external == 0 and again.hit_external == again.num_prompt_tokens // 128 >= 7
+        assert again.token_ids == first.token_ids
+        assert max(abs(a - b) for a, b in zip(first.logprobs, again.logprobs, strict=True)) < 1e-3

@@ -29,6 +29,7 @@ def test_gsa_defaults_filled_in() -> None:
             "score_channels": 16,
         },
         "ReRoPE": None,
+        "Blend": None,
     }
 
 
@@ -57,7 +58,7 @@ def test_seed_names_from_yaml(tmp_path: Path) -> None:
 
 
 def test_unknown_method_names_the_allowed_ones() -> None:
-    with pytest.raises(UcmConfigError, match=r"unknown key 'ESA' in ucm_sparse_config; valid keys: GSA"):
+    with pytest.raises(UcmConfigError, match=r"unknown key 'ESA' in ucm_sparse_config; valid keys: Blend, GSA, ReRoPE"):
         parse_config({"ucm_sparse_config": {"ESA": {}}})
 
 

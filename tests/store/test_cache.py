@@ -665,8 +665,9 @@ def test_prefault_keeps_one_request_of_written_slots_ready(close_after: Closer) 
     assert all(not bool(slot.any()) for slot in cache._free[NBYTES])  # written: every page touched
     # Near the capacity, the reserve is refilled only with the room left; eviction reuses slots past it.
     assert cache.wait(cache.dump(keys[3:8], src[3:8])).ok
-    wait_until(lambda: cache.slot_bytes == 10 * NBYTES)
-    assert cache.usage() == (8 * NBYTES, 10 * NBYTES) and len(free_ptrs(cache, NBYTES)) == 2
+    # The prefault thread adds a slot's bytes before the slot reaches the free list: wait for both.
+    wait_until(lambda: cache.slot_bytes == 10 * NBYTES and len(free_ptrs(cache, NBYTES)) == 2)
+    assert cache.usage() == (8 * NBYTES, 10 * NBYTES)
     dst = poisoned(8, NBYTES)
     assert cache.wait(cache.load(keys, dst)).ok and torch.equal(dst, src)
     thread = cache._prefault_thread

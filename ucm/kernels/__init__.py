@@ -11,6 +11,9 @@ validation, then dispatch by ``impl``), ``naive`` (the references, the test orac
 - ``kvfold``: the KVfold codec's bf16 planes and int8 groups (``ucm.store.kvfold``).
 - ``sparq`` and ``key_bounds``: GSA's block scoring (``ucm.sparse.gsa``): SparQ's query step and per-block
   log-sum-exp; Quest's per-block key bounds and the upper bounds of ``q . k`` they give.
+- ``rerope``: ReRoPE attention over paged KV (``ucm.integration.vllm.sparse_backend``).
+- ``blend``: CacheBlend's RoPE delta, KV deviation and choice of tokens to recompute
+  (``ucm.integration.vllm.blend``).
 
 Shared modules: ``layouts`` (the paged layouts, the canonical block, the checks on caches, block ids and staging
 buffers), ``paged_keys`` (one layer's keys as a view of the paged cache), ``utils`` (the ``impl`` vocabulary, the

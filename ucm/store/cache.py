@@ -601,7 +601,10 @@ class CacheStore(UcmKVStoreBase):
         for future in pending:
             future.exception()  # waits; a failed write-back is already reported in its task
         if self._loader is not None and not self._closed:
-            self._loader.submit(lambda: None).result()  # one loader thread, FIFO: earlier promotions are done
+            # One loader thread, FIFO: earlier promotions are done. RuntimeError: the interpreter is exiting (vLLM's
+            # engine shut down from an atexit hook); its thread pools run their queued work to the end.
+            with contextlib.suppress(RuntimeError):
+                self._loader.submit(lambda: None).result()
 
     def close(self) -> None:
         """Flush, stop the background threads and close the stage below. Idempotent."""

@@ -27,8 +27,33 @@ class BlockTransfer:
 
 
 @dataclass
+class BlendTransfer:
+    """A run of one request's prompt that CacheBlend fills this step (:mod:`ucm.integration.vllm.blend`).
+
+    Attributes:
+        req_id: vLLM request id.
+        token_ids: the prompt's first ``end`` token ids.
+        start, end: the run is tokens ``[start, end)``; the tokens before ``start`` are in the paged KV when the
+            blend runs (vLLM's prefix cache, or this step's loads).
+        spans: the prompt's chunks ``[s, e)`` in order, covering ``[0, end)`` (each ends with the chunk-end token,
+            the last one possibly cut at ``end``).
+        block_ids: the vLLM blocks of tokens ``[0, end)``.
+        seed: the request's key-chain seed (``ucm.hashing.request_seed``): a chunk's blocks are keyed from it.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    start: int
+    end: int
+    spans: list[tuple[int, int]]
+    block_ids: list[int]
+    seed: bytes
+
+
+@dataclass
 class UCMConnectorMetadata(KVConnectorMetadata):
-    """What the workers do this step: ``loads`` before the forward pass, ``dumps`` after it.
+    """What the workers do this step: ``loads`` before the forward pass (then ``blends``, CacheBlend's runs), ``dumps``
+    after it.
 
     ``reset_epoch`` counts the scheduler's cache resets (vLLM's ``reset_prefix_cache`` with ``reset_external``);
     a worker that sees it above its own empties its DRAM tier before anything else of the step, and with
@@ -38,6 +63,7 @@ class UCMConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     dumps: list[BlockTransfer] = field(default_factory=list)
+    blends: list[BlendTransfer] = field(default_factory=list)
     reset_epoch: int = 0
     clear_storage: bool = False
 

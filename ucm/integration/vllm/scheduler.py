@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ucm.config import UcmConfig
+from ucm.config import BlendConfig, UcmConfig
 from ucm.hashing import block_keys, rank_keys, request_seed
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.events import KVEventTranslator
-from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.metadata import BlendTransfer, BlockTransfer, UCMConnectorMetadata
 from ucm.logger import init_logger
+from ucm.sparse.blend import blend_end, chunk_spans
 from ucm.store.base import UcmKVStoreBase, tiered_lookup
 from ucm.store.observe import NO_RECORDER, Observation, Recorder
 
@@ -50,6 +51,8 @@ class _RequestState:
     logged: bool = False
     remote_decode: bool = False  # prefill for another instance: dumps must be durable before the response
     request: Request | None = None  # kept with KV events on: the events name blocks by vLLM's hashes
+    blend: BlendTransfer | None = None  # CacheBlend's run of this prompt, until sent to the workers
+    blended: bool = False  # some of its KV is CacheBlend's (approximate): none of its blocks is dumped
 
 
 def _mm_block_extras(request: Request, num_blocks: int, block_size: int) -> list[list[str]] | None:
@@ -78,6 +81,11 @@ class UCMScheduler:
         tp_size: tensor-parallel size of the engine.
         dp_rank: the engine's data-parallel rank when it is one of several DP engines (added to the per-request log
             line, whose ranks otherwise share one log), else None.
+
+    With CacheBlend on (``ucm_sparse_config.Blend``), a prompt with chunks also offers, past its stored prefix, the
+    tokens up to the end of its last chunk (:func:`~ucm.sparse.blend.blend_end`): the workers fill them from the
+    chunks' stored KV (:mod:`ucm.integration.vllm.blend`); such a request dumps no block, since its KV past the
+    prefix is approximate and its keys would claim a prefix computation.
     """
 
     def __init__(
@@ -99,6 +107,8 @@ class UCMScheduler:
         self._dump = dump
         self._tp_size = tp_size
         self._dp_suffix = "" if dp_rank is None else f", dp rank: {dp_rank}"
+        sparse = config.ucm_sparse_config
+        self._blend: BlendConfig | None = sparse.Blend if sparse is not None else None
         self._requests: dict[str, _RequestState] = {}
         self.recorder: Recorder = NO_RECORDER  # where each request's first lookup is recorded (ucm.store.observe)
         # Keys the workers reported as stored (their DRAM tier is invisible from this process), most recent last.
@@ -153,6 +163,8 @@ class UCMScheduler:
         """Move each live request's next dump back to its first block among ``keys`` (and, with ``unstored``, stop
         counting that block and the later ones as stored)."""
         for state in self._requests.values():
+            if state.blended:  # dumps nothing
+                continue
             first = next((i for i, k in enumerate(state.keys) if k in keys), None)
             if first is not None:
                 if unstored:
@@ -242,6 +254,9 @@ class UCMScheduler:
             if num_computed_tokens + num_external >= num_prompt:
                 num_external = num_prompt - 1 - num_computed_tokens
             num_external = max(num_external, 0)
+        state.blend = None
+        if self._load and self._blend is not None:
+            num_external = max(num_external, self._plan_blend(request, state, num_computed_tokens))
         if not state.logged:
             state.logged = True
             if self.recorder.enabled:
@@ -266,12 +281,13 @@ class UCMScheduler:
                     state.num_stored,
                 )
             logger.info(
-                "request_id: %s, total_blocks_num: %d, hit hbm: %d, hit external: %d%s",
+                "request_id: %s, total_blocks_num: %d, hit hbm: %d, hit external: %d%s%s",
                 request.request_id,
                 len(state.keys),
                 num_hbm,
-                -(-num_external // self._block_size),
+                -(-min(num_external, max(0, state.num_stored - num_hbm) * self._block_size) // self._block_size),
                 self._dp_suffix,
+                "" if state.blend is None else f", blend: tokens {state.blend.start}-{state.blend.end}",
             )
             logger.debug(
                 "request_id: %s, block keys: %s",
@@ -279,6 +295,23 @@ class UCMScheduler:
                 " ".join(k.hex() for k in rank_keys(state.keys, 0, self._tp_size)),
             )
         return num_external, False
+
+    def _plan_blend(self, request: Request, state: _RequestState, num_computed_tokens: int) -> int:
+        """CacheBlend's run of ``request`` (kept in ``state.blend`` until :meth:`build_connector_meta` sends it): the
+        tokens from its stored or cached prefix to the end of its last chunk. Returns the tokens offered beyond
+        ``num_computed_tokens`` (0: no run, e.g. no chunk-end token past the prefix)."""
+        assert self._blend is not None
+        tokens = request.prompt_token_ids
+        if tokens is None or request.lora_request is not None or getattr(request, "mm_features", None):
+            return 0
+        spans = chunk_spans(tokens, self._blend.chunk_end_token_id)
+        end = blend_end(spans, request.num_prompt_tokens)
+        start = max(num_computed_tokens, state.num_stored * self._block_size)
+        if end <= start:
+            return 0
+        seed = request_seed(self._namespace, request.cache_salt, None)
+        state.blend = BlendTransfer(request.request_id, list(tokens[:end]), start, end, spans, [], seed)
+        return end - num_computed_tokens
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Record the vLLM blocks that the store's blocks go into: ``blocks`` are all the request's blocks (vLLM's
@@ -293,7 +326,14 @@ class UCMScheduler:
         if num_external_tokens > 0:
             num_load = -(-num_external_tokens // self._block_size)
             start = state.num_hbm
-            state.load_block_ids = block_ids[start : start + num_load]
+            if state.blend is not None:  # the blocks before the blend's run; the run's come with it
+                num_load = max(0, state.num_stored - start)
+                state.blended = True
+            state.load_block_ids = block_ids[start : start + num_load] or None
+        elif state.blend is not None:
+            state.blend = None  # vLLM took none of the offer
+        if state.blended:
+            state.next_dump = len(state.keys)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UCMConnectorMetadata:
         """The loads and dumps of this step. Dumps cover prompt blocks that become full in this step."""
@@ -321,6 +361,11 @@ class UCMScheduler:
                 meta.loads.append(BlockTransfer(req_id, keys, state.load_block_ids))
                 self._note_blocks(state, start, start + len(keys))
                 state.load_block_ids = None
+            if state.blend is not None:
+                blend = state.blend
+                blend.block_ids = state.block_ids[: -(-blend.end // self._block_size)]
+                meta.blends.append(blend)
+                state.blend = None
             if not self._dump:
                 continue
             done_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)

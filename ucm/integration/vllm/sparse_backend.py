@@ -9,7 +9,8 @@ Each layer's impl reads UCM's config from ``kv_connector_extra_config`` (when th
 With no method on, ``forward`` is vLLM's, untouched (same metadata object, same kernel call). With ReRoPE on,
 vLLM's forward runs first (it also writes the step's KV), then the output rows of the requests longer than the
 window are recomputed with rectified positions (``ucm.kernels.rerope.torch``; rows no longer than the window are
-ReRoPE's already). With GSA on:
+ReRoPE's already). A CacheBlend pass (its metadata a ``BlendPass``, see ``ucm.integration.vllm.blend``) gets its
+attention from that pass instead of vLLM's kernel. With GSA on:
 
 - every step it marks the blocks written this step (``slot_mapping``) stale in the layer's summary table;
 - for the rows of the batch with one query token (decode; also a one-token prefill chunk), it asks the method for
@@ -54,6 +55,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ucm.config import ReRoPEConfig, UcmConfigError, UcmSparseConfig, config_from_extra_config
+from ucm.integration.vllm.blend import BlendPass
 from ucm.integration.vllm.engine_info import CPU_ISA_LAYOUTS
 from ucm.kernels.layouts import KVLayout
 from ucm.kernels.paged_keys import paged_keys
@@ -263,6 +265,12 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
             UcmConfigError: a sparse method is on and ``layer.isa`` is a kernel variant UCM has not verified.
             ValueError: a sparse method is on and ``kv_cache`` does not fit the layout of ``layer.isa``.
         """
+        if isinstance(attn_metadata, BlendPass):  # a CacheBlend pass (ucm.integration.vllm.blend) runs the layer
+            n = query.shape[0]
+            attn_metadata.attend(
+                layer.layer_name, query, key, value, output.view(n, self.num_heads, self.head_size), self.scale
+            )
+            return output
         if self._method is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:
             attn_metadata = self._sparse_metadata(layer, query, kv_cache, attn_metadata)
         result = super().forward(

@@ -193,6 +193,17 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 any_rank=any_rank,
             )
             self._worker.recorder = self._obs.recorder
+            if sparse is not None and sparse.Blend is not None:
+                from ucm.integration.vllm.blend import Blender
+
+                if tp_size > 1 or self._ucm_config.use_layerwise:
+                    raise UcmConfigError(
+                        "ucm_sparse_config.Blend runs with tensor_parallel_size 1 and use_layerwise: false in this "
+                        f"version; got tensor_parallel_size {tp_size}, use_layerwise {self._ucm_config.use_layerwise}"
+                    )
+                self._worker.blender = Blender(
+                    sparse.Blend, vllm_config, self._spec, self._store, self._ucm_config.load_timeout_s
+                )
             if events:
                 self._worker.residency = ResidencyBuffer()
                 self._obs.recorder.add_key_sink(self._worker.residency.add)

@@ -70,6 +70,7 @@ from ucm.store.base import Lease, Task, UcmKVStoreBase
 from ucm.store.observe import NO_RECORDER, Observation, Recorder, requests_of
 
 if TYPE_CHECKING:
+    from ucm.integration.vllm.blend import Blender
     from ucm.integration.vllm.events import ResidencyBuffer
 
 logger = init_logger(__name__)
@@ -216,6 +217,8 @@ class UCMWorker:
         self.residency: ResidencyBuffer | None = None
         # Where loads abandoned past the deadline are recorded (load_failure, cause timeout); set by the connector.
         self.recorder: Recorder = NO_RECORDER
+        # With CacheBlend on (set by the connector): fills the step's blend runs after its loads.
+        self.blender: Blender | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer paged KV tensors, ordered as the KV spec's layers, detect their layout, warm the
@@ -235,6 +238,8 @@ class UCMWorker:
             raise ValueError(f"kv_caches lacks layers {missing[:4]}... of the KV spec")
         self._kv_caches = [kv_caches[name] for name in self._spec.layer_names]
         self._layout = self._layout_fn(self._kv_caches[0])
+        if self.blender is not None:
+            self.blender.bind(kv_caches, self._layout)
         t0 = time.perf_counter()
         warm_up(self._kv_caches, self._layout)  # the kernels' first-call cost (numba compiling, loading), not on a TTFT
         t1 = time.perf_counter()
@@ -346,11 +351,18 @@ class UCMWorker:
         Blocks the store cannot produce are recorded for :meth:`get_block_ids_with_load_errors` (vLLM recomputes
         them); blockwise, they are not written to the paged KV.
         """
-        if not meta.loads or self._layout is None:
+        if self._layout is None:
             return
-        if self._layerwise:
-            self._start_layer_load(meta)
-            return
+        if meta.loads:
+            if self._layerwise:
+                self._start_layer_load(meta)
+            else:
+                self._load_blocks(meta)
+        if meta.blends:  # after the loads: a blend reads the prefix they fill
+            self._blend(meta)
+
+    def _load_blocks(self, meta: UCMConnectorMetadata) -> None:
+        """Blockwise: load ``meta.loads`` and scatter them, in rounds of the load buffer's blocks."""
         keys, block_ids = self._flatten(meta.loads)
         requests = tuple(t.req_id for t in meta.loads)
         deadline = time.perf_counter() + self._load_timeout_s
@@ -363,6 +375,26 @@ class UCMWorker:
                 # Abandoned: its buffer is never read again (see the module docstring); later rounds fail too.
                 self._timed_out(keys[start:], block_ids[start:], layerwise=False, requests=requests)
                 return
+
+    def _blend(self, meta: UCMConnectorMetadata) -> None:
+        """Fill the step's CacheBlend runs (``meta.blends``; see :mod:`ucm.integration.vllm.blend`). A run whose
+        request had a block fail to load, or whose blend fails, is reported as failed loads of its blocks (vLLM
+        recomputes them)."""
+        if self.blender is None:
+            raise RuntimeError("the scheduler sent CacheBlend runs to a worker without ucm_sparse_config.Blend")
+        for t in meta.blends:
+            run_blocks = t.block_ids[t.start // self._spec.block_size :]
+            if self._load_errors & set(t.block_ids):
+                self._load_errors |= set(run_blocks)
+                continue
+            try:
+                self.blender.blend(t)
+            except Exception as exc:  # any failure is a miss: vLLM recomputes the run, exactly
+                self._load_errors |= set(run_blocks)
+                self._load_failed = True
+                logger.warning(
+                    "request_id: %s: blend failed (%r); vLLM recomputes tokens %d-%d", t.req_id, exc, t.start, t.end
+                )
 
     def _load_round(self, keys: list[bytes], block_ids: list[int], requests: tuple[str, ...], deadline: float) -> bool:
         """Load ``keys`` (at most the load buffer's blocks) and scatter those that loaded into ``block_ids``; record

@@ -1,0 +1,114 @@
+"""CacheBlend through the real engine (CPU build), the real connector and a real store on disk: chunks ended by
+``<file_sep>`` (token id 5 of SmolLM2's tokenizer) are computed on their own and stored the first time, then reused
+in any order, in the same process and after a restart; ``ratio: 1`` gives the full prefill's output, ``ratio: 0``
+really reuses stored KV (its output moves away from the full prefill's); a damaged chunk block is a miss that vLLM
+recomputes exactly. A random-weight 4-layer Llama (float32), so that the only differences are the blend's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import MODELS_DIR
+from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config
+from ucm.testing.texts import real_text
+
+pytestmark = pytest.mark.engine
+
+SEP = "<file_sep>"
+SEP_ID = 5
+QUESTION = " Question: which of these texts speaks of copies? Answer:"
+BLEND_RE = re.compile(
+    r"request_id: (\S+), blend of tokens (\d+)-(\d+): (\d+) chunks, (\d+) tokens from stored chunks \((\d+) chunks "
+    r"computed and stored\), (\d+) recomputed"
+)
+
+
+def _prompt(docs: list[str], order: tuple[int, ...]) -> str:
+    return "".join(docs[i] + SEP for i in order) + QUESTION
+
+
+def _config(store: Path, ratio: float, pipeline: str = "Cache|Posix") -> dict:
+    return {
+        "ucm_connectors": [
+            {
+                "ucm_connector_name": "UcmPipelineStore",
+                "ucm_connector_config": {"store_pipeline": pipeline, "storage_backends": str(store)},
+            }
+        ],
+        "ucm_sparse_config": {
+            "Blend": {"chunk_end_token_id": SEP_ID, "compute_meta": {"model.layers.1.self_attn.attn": {"ratio": ratio}}}
+        },
+    }
+
+
+ORDERS = [(0, 1, 2), (2, 0, 1), (1, 2, 0), (0, 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from ucm.testing.models import ensure_tiny_llama
+
+    model = ensure_tiny_llama(MODELS_DIR, num_hidden_layers=4)
+    work = tmp_path_factory.mktemp("blend")
+    store = work / "store"
+    text = real_text()
+    docs = [text[i * 1100 : (i + 1) * 1100] for i in range(3)]
+    prompts = [_prompt(docs, order) for order in ORDERS]
+    base = {"model": str(model), "dtype": "float32", "max_model_len": 4096, "kvcache_gib": 1}
+
+    def spec(connector: dict | None, idx: list[int], before: dict[int, str] | None = None) -> dict:
+        reqs = [
+            {"prompt": prompts[i], "max_tokens": 4, "reset_prefix_cache": True, "before_cmd": (before or {}).get(i)}
+            for i in idx
+        ]
+        return {**base, "connector": connector, "requests": reqs}
+
+    full, _ = run_engine(spec(None, [0, 1, 2, 3]))
+    exact, exact_log = run_engine(spec(ucm_transfer_config(_config(store, 1.0)), [0, 1]))
+    # A restart on the same store, Posix only (every chunk read from its files): ratio 0, then every block file
+    # damaged before the last request.
+    damage = f"find {store} -type f -name '*.ucmb' -exec truncate -s 64 {{}} +"
+    reused, reused_log = run_engine(spec(ucm_transfer_config(_config(store, 0.0, "Posix")), [2, 3], before={3: damage}))
+    return {"full": full, "exact": exact, "exact_log": exact_log, "reused": reused, "reused_log": reused_log}
+
+
+def _blends(log: str) -> list[tuple[int, ...]]:
+    return [tuple(int(x) for x in m[1:]) for m in BLEND_RE.findall(log)]
+
+
+def _max_diff(a: RequestResult, b: RequestResult) -> float:
+    return max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+
+
+def test_first_prompt_stores_its_chunks_then_any_order_reuses_them(runs) -> None:
+    first, shuffled = _blends(runs["exact_log"])
+    # first: from token 0, 3 chunks all computed on their own and stored
+    assert first[0] == 0 and first[2] == 3 and first[4] == 3
+    # shuffled: its first chunk is an ordinary prefix hit, the two others come from the store, none computed
+    assert shuffled[0] > 0 and shuffled[3] > 0 and shuffled[4] == 0
+    assert runs["exact"][1].hit_external >= 1
+
+
+def test_ratio_one_equals_full_prefill(runs) -> None:
+    for got, want in zip(runs["exact"], runs["full"][:2], strict=True):
+        assert got.token_ids == want.token_ids
+        assert _max_diff(got, want) < 1e-4
+
+
+def test_ratio_zero_reuses_stored_kv_after_a_restart(runs) -> None:
+    (blend,) = _blends(runs["reused_log"])[:1]
+    start, end, _, reused, computed, recomputed = blend
+    assert computed == 0 and reused > 0
+    assert recomputed == end - start - reused  # only the tokens without stored KV (the chunks' partial blocks)
+    assert _max_diff(runs["reused"][0], runs["full"][2]) > 1e-3  # stored, position-moved KV: not the full prefill
+
+
+def test_damaged_chunk_blocks_are_recomputed_exactly(runs) -> None:
+    """Every block file truncated: the prefix load fails, the blend is skipped, vLLM recomputes all: the full
+    prefill's output."""
+    assert "failed to load" in runs["reused_log"]
+    got, want = runs["reused"][1], runs["full"][3]
+    assert got.token_ids == want.token_ids and _max_diff(got, want) < 1e-4
