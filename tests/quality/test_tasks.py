@@ -14,12 +14,15 @@ from ucm.quality.harness import compare, logprob_diffs, summarize
 from ucm.quality.recall import QUERY, RecallSpec, make_example
 from ucm.quality.tasks import (
     EvalItem,
+    answer_f1,
+    answer_span,
     is_correct,
     multidoc_items,
     passkey_items,
     real_suite,
     recall_suite,
     seeded_rng,
+    token_f1,
 )
 from ucm.quality.train_recall import make_batch
 from ucm.testing.engine import RequestResult
@@ -123,6 +126,39 @@ def test_is_correct():
         is_correct(EvalItem("z", "perplexity", 10, "p", None, 1), "x")
 
 
+@pytest.mark.parametrize(
+    ("prediction", "gold", "f1"),
+    [
+        ("12345", "12345", 1.0),
+        ("The 12345!", "12345", 1.0),  # articles and punctuation go (SQuAD's normalization)
+        ("12345 and 678", "12345", 0.5),  # P 1/3, R 1
+        ("the cat sat", "Cat sat down.", 0.8),  # P 1, R 2/3
+        ("x x y", "x y", 0.8),  # a multiset: one x in common
+        ("678", "12345", 0.0),
+        ("", "12345", 0.0),
+        ("the", "a", 1.0),  # both empty after normalization
+    ],
+    ids=["same", "normalized", "extra-words", "partial", "repeats", "wrong", "empty", "both-empty"],
+)
+def test_token_f1(prediction, gold, f1):
+    assert token_f1(prediction, gold) == pytest.approx(f1)
+
+
+def test_answer_span_and_f1():
+    item = EvalItem("x", "blend", 10, "p", "12345", 8)
+    assert answer_span(item, " 12345.\nQuestion") == "12345"
+    assert answer_span(item, " 12345. Remember it") == "12345"
+    assert answer_span(item, " 12.5 or 12345?") == "12.5 or 12345"  # "12.5" ends no sentence
+    assert answer_span(item, " 12345") == "12345"
+    assert answer_f1(item, " 12345.") == 1.0
+    assert answer_f1(item, " 12345 and 678.") == pytest.approx(0.5)
+    assert answer_f1(item, " 54321.") == 0.0
+    recall = EvalItem("y", "recall", 10, "p", "v07", 4)
+    assert answer_span(recall, " v07 ? k01") == "v07" and answer_f1(recall, " v07 ? k01") == 1.0
+    with pytest.raises(ValueError, match="no answer"):
+        answer_f1(EvalItem("z", "perplexity", 10, "p", None, 1), "x")
+
+
 def _res(tokens, lps, top=None, prompt_lps=()):
     return RequestResult(tokens, " v01", list(lps), 0.0, 5, 0, 1, 2, top or [], list(prompt_lps))
 
@@ -147,6 +183,7 @@ def test_compare_counts_mismatches_and_logprob_drift():
     assert diffs == [] and missing == 1
     summary = summarize(items, other)
     assert summary["accuracy"]["recall"] == {"8": 1.0, "all": 1.0}
+    assert summary["f1"]["recall"] == {"8": 1.0, "all": 1.0}
     assert summary["accuracy_by_depth"] == {}  # the item has no depth
     assert summary["perplexity"] == pytest.approx(2.718281828**2.75, rel=1e-6)
 
@@ -154,7 +191,7 @@ def test_compare_counts_mismatches_and_logprob_drift():
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--suite", "bogus"], "'bogus' is not one of auto, real, recall"),
+        (["--suite", "bogus"], "'bogus' is not one of auto, real, recall, blend"),
         (["--dtype", "int4"], "'int4' is not one of auto, bfloat16"),
         (["--lengths", "1k"], "--lengths '1k'"),
         (["--model", "/nonexistent"], "no config.json"),

@@ -1,15 +1,11 @@
-"""CacheBlend's plain parts: the prompt's chunks, attention of queries at arbitrary positions (against a float64
-loop), and its config section."""
+"""CacheBlend's plain parts: the prompt's chunks and the run a blend fills, and its config section."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
 from ucm.config import UcmConfigError, parse_config
-from ucm.sparse.blend import attention_by_position, blend_end, chunk_spans
+from ucm.sparse.blend import blend_end, chunk_spans
 
 
 @pytest.mark.parametrize(
@@ -23,43 +19,6 @@ from ucm.sparse.blend import attention_by_position, blend_end, chunk_spans
 def test_chunks_end_with_the_chunk_end_token(ids, spans, end) -> None:
     assert chunk_spans(ids, 9) == spans
     assert blend_end(spans, len(ids)) == end
-
-
-def _attention_loop(q, q_pos, k, v, k_pos, scale) -> torch.Tensor:
-    n, heads, dim = q.shape
-    group = heads // k.shape[1]
-    out = torch.zeros(n, heads, dim, dtype=torch.float64)
-    for i in range(n):
-        for h in range(heads):
-            scores = [
-                scale * float(q[i, h].double() @ k[j, h // group].double()) if k_pos[j] <= q_pos[i] else -math.inf
-                for j in range(k.shape[0])
-            ]
-            w = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
-            out[i, h] = (w[:, None] * v[:, h // group].double()).sum(0)
-    return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_by_position_matches_a_loop(dtype) -> None:
-    """Queries at scattered, unsorted positions over keys at other scattered positions, grouped heads: the same as
-    a float64 loop over the causal rule (tolerance per dtype: the inputs are rounded to it, the math is float32)."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(7, 4, 16, generator=g).to(dtype)
-    k = torch.randn(11, 2, 16, generator=g).to(dtype)
-    v = torch.randn(11, 2, 16, generator=g).to(dtype)
-    k_pos = torch.tensor([0, 1, 2, 3, 5, 8, 9, 10, 13, 14, 20])
-    q_pos = torch.tensor([20, 3, 9, 0, 14, 5, 10])
-    got = attention_by_position(q, q_pos, k, v, k_pos, 0.25)
-    want = _attention_loop(q, q_pos, k, v, k_pos, 0.25)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-
-
-def test_attention_by_position_refuses_a_query_with_no_key() -> None:
-    q, k = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
-    with pytest.raises(ValueError, match="no key at or before"):
-        attention_by_position(q, torch.tensor([0]), k, k, torch.tensor([1]), 1.0)
 
 
 def test_blend_section_defaults() -> None:

@@ -64,7 +64,7 @@ def test_prompts_shorter_than_the_window_are_dense(run) -> None:
 
 def test_rerope_blocks_have_a_namespace_of_their_own(run) -> None:
     _, work = run
-    (described,) = [json.loads(p.read_text()) for p in (work / "store" / "namespaces").glob("*.json")]
+    (described,) = [json.loads(p.read_text()) for p in (work / "ucm_store" / "namespaces").glob("*.json")]
     assert described["attention"] == f"rerope(window={WINDOW},leaky_factor=None)"
     external = [int(m) for m in re.findall(r"hit external: (\d+)", (work / "ucm.log").read_text())]
     assert 0 in external and max(external) >= 1024 // 128 - 1  # cold misses; warm: the 1024-token prompts' blocks

@@ -4,6 +4,11 @@ Usage::
 
     python -m ucm.quality --model models/SmolLM2-135M-Instruct --config examples/ucm_config_example.yaml
     python -m ucm.quality --model recall --config examples/ucm_config_example.yaml --short
+    python -m ucm.quality --suite blend --config blend.yaml --dtype float32 --block-size 32
+
+``--suite blend`` is CacheBlend's reordered-documents QA (``tasks.blend_items``), for a config with
+``ucm_sparse_config: {Blend: ...}`` whose ``chunk_end_token_id`` is the token of ``tasks.BLEND_CHUNK_END``
+(``<file_sep>``, id 5 for SmolLM2); ``benchmarks/blend_quality.py`` compares several Blend ratios at once.
 
 ``--model recall`` names the trained recall model shipped in ``ucm/quality/assets/recall-llama``. Without
 ``--config`` only the dense baseline runs. One line per run and task goes to stdout, then the last line: the whole
@@ -40,9 +45,10 @@ def _lengths(text: str) -> list[int]:
 def _lines(report: dict[str, Any]) -> list[str]:
     out = []
     for name, run in report["runs"].items():
-        for task, cells in run["accuracy"].items():
-            cells_text = " ".join(f"{k}:{v:.2f}" for k, v in cells.items())
-            out.append(f"{name:5s} {task:9s} accuracy {cells_text}")
+        for metric in ("accuracy", "f1"):
+            for task, cells in run[metric].items():
+                cells_text = " ".join(f"{k}:{v:.2f}" for k, v in cells.items())
+                out.append(f"{name:5s} {task:9s} {metric:8s} {cells_text}")
         if run["perplexity"] is not None:
             out.append(f"{name:5s} perplexity {run['perplexity']:.3f}")
         if "vs_dense" in run:

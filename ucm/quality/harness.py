@@ -13,12 +13,17 @@ What it does, for a model directory and an optional UCM config YAML:
    Unless ``keep_store``, the YAML is copied with ``storage_backends`` pointed at a fresh temporary directory, so
    reruns measure the same thing.
 
+The pieces (:func:`engine_spec`, :func:`run_dense`, :func:`run_ucm`, :func:`run_entry`) also serve drivers that
+compare several configs against one dense baseline (``ucm.quality.blend``).
+
 Both engines pin the same OpenMP cores (``VLLM_CPU_OMP_THREADS_BIND``; a connector otherwise changes the thread
 count and with it bf16 results) and use the same dtype, block size and model length.
 
 Metrics per run (see :func:`summarize` and :func:`compare`):
 
 - ``accuracy[task][length]``: fraction of prompts answered correctly (``tasks.is_correct``), per task also ``all``;
+- ``f1[task][length]``: mean token F1 of the answers (``tasks.answer_f1``: SQuAD's F1 of the rest of the prompt's
+  last sentence against the gold answer; recall: of the first word), per task also ``all``;
 - ``perplexity``: exp of the mean negative log-prob of the held-out tokens (teacher forced through
   ``prompt_logprobs``; vLLM computes every prompt token of such requests, so a prefix cache never serves them);
 - against the baseline: ``exact_match_rate`` (fraction of prompts whose generated token ids are identical),
@@ -36,6 +41,7 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +49,17 @@ from typing import Any
 import yaml
 
 from ucm.quality.recall import TASK_FILE, RecallSpec
-from ucm.quality.tasks import SUITES, EvalItem, Suite, default_lengths, is_correct, real_suite, recall_suite
+from ucm.quality.tasks import (
+    SUITES,
+    EvalItem,
+    Suite,
+    answer_f1,
+    blend_suite,
+    default_lengths,
+    is_correct,
+    real_suite,
+    recall_suite,
+)
 from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config
 from ucm.testing.texts import Tokenizer
 
@@ -91,6 +107,8 @@ def build_items(model_dir: Path, suite: Suite, lengths: list[int], short: bool, 
     from transformers import AutoTokenizer
 
     tokenizer: Tokenizer = AutoTokenizer.from_pretrained(str(model_dir))  # type: ignore[assignment]
+    if suite == "blend":
+        return blend_suite(tokenizer, lengths, short, seed)
     return real_suite(tokenizer, lengths, short, seed, max_len)
 
 
@@ -107,7 +125,7 @@ def _requests(items: list[EvalItem]) -> list[dict[str, Any]]:
     ]
 
 
-def _private_config(config_path: Path, store_dir: Path, out_path: Path) -> Path:
+def private_config(config_path: Path, store_dir: Path, out_path: Path) -> Path:
     """Copy the YAML at ``config_path`` with every connector's ``storage_backends`` set to ``store_dir``."""
     data = yaml.safe_load(config_path.read_text()) or {}
     for entry in data.get("ucm_connectors") or []:
@@ -119,14 +137,15 @@ def _private_config(config_path: Path, store_dir: Path, out_path: Path) -> Path:
 
 
 def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, Any]:
-    """Accuracy per task and length, and perplexity, of one pass.
+    """Accuracy and F1 per task and length, and perplexity, of one pass.
 
     Returns:
-        ``{"accuracy": {task: {str(length): fraction, "all": fraction}},
-        "accuracy_by_depth": {task: {"<length>@<depth>": fraction}}, "correct": {item id: bool},
+        ``{"accuracy": {task: {str(length): fraction, "all": fraction}}, "f1": {task: {str(length): mean F1, "all":
+        mean F1}}, "accuracy_by_depth": {task: {"<length>@<depth>": fraction}}, "correct": {item id: bool},
         "perplexity": float | None, "answers": {item id: generated text}}``.
     """
     by_cell: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    f1_cell: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     by_depth: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     correct: dict[str, bool] = {}
     nll: list[float] = []
@@ -137,20 +156,27 @@ def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, 
         ok = is_correct(it, res.text)
         correct[it.id] = ok
         by_cell[it.task][str(it.length)].append(ok)
+        f1_cell[it.task][str(it.length)].append(answer_f1(it, res.text))
         if it.depth is not None:
             by_depth[it.task][f"{it.length}@{it.depth:.2f}"].append(ok)
-    accuracy: dict[str, dict[str, float]] = {}
-    for task, cells in by_cell.items():
-        accuracy[task] = {k: sum(v) / len(v) for k, v in cells.items()}
-        every = [ok for v in cells.values() for ok in v]
-        accuracy[task]["all"] = sum(every) / len(every)
     return {
-        "accuracy": accuracy,
+        "accuracy": _cell_means(by_cell),
+        "f1": _cell_means(f1_cell),
         "accuracy_by_depth": {t: {k: sum(v) / len(v) for k, v in cells.items()} for t, cells in by_depth.items()},
         "perplexity": math.exp(sum(nll) / len(nll)) if nll else None,
         "correct": correct,
         "answers": {it.id: res.text for it, res in zip(items, results, strict=True) if not it.is_perplexity},
     }
+
+
+def _cell_means(cells_by_task: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, dict[str, float]]:
+    """``{task: {cell: mean, "all": mean over every value of the task}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for task, cells in cells_by_task.items():
+        out[task] = {k: sum(v) / len(v) for k, v in cells.items()}
+        every = [x for v in cells.values() for x in v]
+        out[task]["all"] = sum(every) / len(every)
+    return out
 
 
 def logprob_diffs(base: RequestResult, other: RequestResult) -> tuple[list[float], int]:
@@ -213,7 +239,7 @@ def compare(items: list[EvalItem], base: list[RequestResult], other: list[Reques
     }
 
 
-def _environment() -> dict[str, Any]:
+def environment_info() -> dict[str, Any]:
     """Machine, versions and date, recorded with every report."""
     import datetime
     import importlib.metadata
@@ -237,6 +263,75 @@ def _environment() -> dict[str, Any]:
     }
 
 
+def engine_spec(model_dir: Path, dtype: str, block_size: int | None) -> dict[str, Any]:
+    """The ``run_engine`` spec both engines share (requests and connector left to fill): the model, ``dtype``, its
+    context length, vLLM's prefix cache on (reset before each request), ``block_size`` (None: vLLM's default)."""
+    return {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_model_len": model_max_len(model_dir),
+        "enable_prefix_caching": True,
+        "engine_args": {} if block_size is None else {"block_size": block_size},
+        "connector": None,
+    }
+
+
+def run_dense(
+    items: list[EvalItem], spec: dict[str, Any], log_path: Path, *, kvcache_gib: int = 1, timeout_s: float = 3600
+) -> RunOutput:
+    """The dense baseline: ``items`` through one engine without a KV connector (see the module docstring).
+
+    Raises:
+        RuntimeError: the engine process failed.
+    """
+    t0 = time.perf_counter()
+    results, _ = run_engine(
+        {**spec, "requests": _requests(items)},
+        env={"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)},
+        timeout_s=timeout_s,
+        log_path=log_path,
+    )
+    return RunOutput("dense", results, time.perf_counter() - t0)
+
+
+def run_ucm(
+    items: list[EvalItem],
+    spec: dict[str, Any],
+    config_path: Path,
+    work: Path,
+    *,
+    tag: str = "ucm",
+    keep_store: bool = False,
+    kvcache_gib: int = 1,
+    timeout_s: float = 3600,
+) -> tuple[RunOutput, str]:
+    """``items``, in order, through one engine with UCMConnector configured by the YAML at ``config_path``.
+
+    Unless ``keep_store``, the YAML is copied to ``work/<tag>_config.yaml`` with its store in a fresh
+    ``work/<tag>_store`` (:func:`private_config`). The engine log goes to ``work/<tag>.log``.
+
+    Returns:
+        the pass (named ``tag``; each result's hit counts from UCM's log) and the engine's stderr.
+
+    Raises:
+        RuntimeError: the engine process failed.
+    """
+    used = config_path.resolve()
+    if not keep_store:
+        store = work / f"{tag}_store"
+        shutil.rmtree(store, ignore_errors=True)
+        store.mkdir(parents=True)
+        used = private_config(config_path, store, work / f"{tag}_config.yaml")
+    t0 = time.perf_counter()
+    results, stderr = run_engine(
+        {**spec, "connector": ucm_transfer_config({"UCM_CONFIG_FILE": str(used)}), "requests": _requests(items)},
+        env={"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)},
+        timeout_s=timeout_s,
+        log_path=work / f"{tag}.log",
+    )
+    return RunOutput(tag, results, time.perf_counter() - t0), stderr
+
+
 def run_quality(
     model_dir: Path,
     config_path: Path | None = None,
@@ -257,7 +352,7 @@ def run_quality(
     Args:
         model_dir: a model directory vLLM can serve (config.json, weights, tokenizer).
         config_path: a UCM config YAML; None runs the dense baseline only.
-        suite: ``real`` or ``recall``; None detects it (:func:`detect_suite`).
+        suite: ``real``, ``recall`` or ``blend``; None detects it (:func:`detect_suite`: never ``blend``).
         lengths: prompt lengths in tokens; None: the suite's defaults (``tasks.default_lengths``).
         short: the CI-sized variant (fewer depths, lengths and prompts).
         seed: seeds every prompt (passkeys, document numbers, recall sequences).
@@ -293,43 +388,20 @@ def run_quality(
     work = Path(tempfile.mkdtemp(prefix="ucm-quality-")) if work_dir is None else work_dir
     work.mkdir(parents=True, exist_ok=True)
     try:
-        spec: dict[str, Any] = {
-            "model": str(model_dir),
-            "dtype": dtype,
-            "max_model_len": model_max_len(model_dir),
-            "enable_prefix_caching": True,
-            "engine_args": {} if block_size is None else {"block_size": block_size},
-            "connector": None,
-        }
-        t0 = time.perf_counter()
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)}
-        base, _ = run_engine(
-            {**spec, "requests": _requests(items)}, env=env, timeout_s=timeout_s, log_path=work / "dense.log"
-        )
-        runs = [RunOutput("dense", base, time.perf_counter() - t0)]
+        spec = engine_spec(model_dir, dtype, block_size)
+        base = run_dense(items, spec, work / "dense.log", kvcache_gib=kvcache_gib, timeout_s=timeout_s)
+        runs = [base]
         if config_path is not None:
-            used = config_path.resolve()
-            if not keep_store:
-                store = work / "store"
-                shutil.rmtree(store, ignore_errors=True)
-                store.mkdir()
-                used = _private_config(config_path, store, work / "ucm_config.yaml")
-            connector = ucm_transfer_config({"UCM_CONFIG_FILE": str(used)})
-            t0 = time.perf_counter()
-            both, _ = run_engine(
-                {**spec, "connector": connector, "requests": _requests(items) * 2},
-                env=env,
-                timeout_s=timeout_s,
-                log_path=work / "ucm.log",
+            both, _ = run_ucm(
+                items * 2, spec, config_path, work, keep_store=keep_store, kvcache_gib=kvcache_gib, timeout_s=timeout_s
             )
-            wall = time.perf_counter() - t0
-            runs.append(RunOutput("cold", both[: len(items)], wall))
-            runs.append(RunOutput("warm", both[len(items) :], wall))
+            runs.append(RunOutput("cold", both.results[: len(items)], both.wall_s))
+            runs.append(RunOutput("warm", both.results[len(items) :], both.wall_s))
     finally:
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
     report: dict[str, Any] = {
-        "environment": _environment(),
+        "environment": environment_info(),
         "model": str(model_dir),
         "suite": suite,
         "config": None if config_path is None else str(config_path),
@@ -338,13 +410,17 @@ def run_quality(
         "seed": seed,
         "lengths": lengths,
         "num_prompts": len(items),
-        "prompt_tokens": {it.id: r.num_prompt_tokens for it, r in zip(items, base, strict=True)},
-        "runs": {},
+        "prompt_tokens": {it.id: r.num_prompt_tokens for it, r in zip(items, base.results, strict=True)},
+        "runs": {run.name: run_entry(items, run, None if run is base else base) for run in runs},
     }
-    for run in runs:
-        entry = summarize(items, run.results)
-        entry["engine_wall_s"] = round(run.wall_s, 1)
-        if run.name != "dense":
-            entry["vs_dense"] = compare(items, base, run.results)
-        report["runs"][run.name] = entry
     return report
+
+
+def run_entry(items: list[EvalItem], run: RunOutput, base: RunOutput | None) -> dict[str, Any]:
+    """A pass's report entry: :func:`summarize`, ``engine_wall_s`` and, against ``base`` when given, ``vs_dense``
+    (:func:`compare`)."""
+    entry = summarize(items, run.results)
+    entry["engine_wall_s"] = round(run.wall_s, 1)
+    if base is not None:
+        entry["vs_dense"] = compare(items, base.results, run.results)
+    return entry

@@ -20,19 +20,22 @@ The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
    (positions from 0, through the model's layers) and stored under those keys (``store_chunks``). Its keys,
    rotated for positions ``0..``, are re-rotated by ``s`` to their positions in this prompt (the RoPE delta,
    ``ucm.kernels.blend.rope_delta_``).
-2. The run's tokens go through the model's own decoder layers (vLLM's modules: norms, QKV projection, rotary
-   embedding, MLP), with attention computed here over the prompt's prefix KV (read from the paged cache) and the
-   run's KV: at layers up to the one named in ``compute_meta`` every token is recomputed; at that layer the tokens
-   whose recomputed K and V deviate most from the stored ones (``ratio`` of them, ``ucm.kernels.blend``), plus the
-   tokens without stored KV, are chosen, and only they go through the later layers; the other tokens keep their
-   stored KV there.
-3. The run's KV, layer by layer, is written into the request's slots of vLLM's paged cache with vLLM's own cache
-   writer (so every CPU kernel variant's layout, ``vec``, ``vec16`` and ``amx``, is written as vLLM writes it).
+2. The run's stored KV is written into the request's slots of vLLM's paged cache with vLLM's own cache writer (so
+   every CPU kernel variant's layout, ``vec``, ``vec16`` and ``amx``, is written as vLLM writes it); tokens without
+   stored KV (a chunk's trailing partial block has no key) get zeros there, and are always recomputed.
+3. The run's tokens go through the model's own decoder layers (vLLM's modules: norms, QKV projection, rotary
+   embedding, MLP); each layer writes the K and V of the rows it computes into the paged cache and runs vLLM's own
+   CPU attention kernel for them (:class:`BlendPass`). Up to the layer named in ``compute_meta`` every run token is
+   computed, as one prefill over the prefix; at that layer the tokens whose recomputed K and V deviate most from
+   the stored ones (``ratio`` of the tokens with stored KV, ``ucm.kernels.blend``), plus the tokens without stored
+   KV, are chosen, and only they go through the later layers, each as a one-token row at its position; the other
+   tokens keep their stored KV there. The paged cache then holds the run's KV.
 
 The model's layers are called with a forward context whose attention metadata is this module's
 :class:`BlendPass`; UCM's attention wrapper (``ucm.integration.vllm.sparse_backend``) hands such calls to it, and
-vLLM's cache writer sees no slot mapping, so nothing else is written. ``ratio: 1`` recomputes every token: the
-full prefill's KV (to float rounding: the attention here runs in float32 torch, not vLLM's kernel).
+vLLM's cache writer sees no slot mapping, so nothing else is written. A chunk computed on its own runs the same
+pass over a scratch paged KV of its blocks. ``ratio: 1`` recomputes every token with vLLM's kernel: the full
+prefill's KV.
 
 A blend that fails (a load error, an exception) reports the run's blocks as failed loads: vLLM recomputes them,
 exactly. Blended KV is approximate, so the request dumps no block under its prefix keys (the scheduler skips its
@@ -53,15 +56,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
 from ucm.config import BlendConfig, UcmConfigError
 from ucm.hashing import block_keys, rank_keys
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlendTransfer
 from ucm.kernels.blend import kv_deviation, rope_delta_, select_recompute
-from ucm.kernels.layouts import CPU_LAYOUTS, KVLayout, cpu_attn_kv_views
+from ucm.kernels.layouts import CPU_LAYOUTS, KVLayout
 from ucm.logger import init_logger
-from ucm.sparse.blend import attention_by_position
 from ucm.store.base import UcmKVStoreBase
 
 logger = init_logger(__name__)
@@ -98,20 +104,73 @@ def loaded_model() -> torch.nn.Module | None:
     return None
 
 
+def cpu_attention_metadata(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    isa: str,
+) -> CPUAttentionMetadata:
+    """vLLM's CPU attention metadata for causal rows of queries over the paged KV, built as vLLM's
+    ``CPUAttentionMetadataBuilder.build`` does (no sliding window, no dynamic causal mask).
+
+    Args:
+        query_start_loc: int32 ``[R + 1]``; request ``r``'s queries are rows ``query_start_loc[r] ..
+            query_start_loc[r + 1]``, the last tokens of its ``seq_lens[r]`` (int32 ``[R]``).
+        block_table: int32 ``[R, W]`` vLLM block ids per request.
+        num_heads / num_kv_heads / head_dim / dtype: the layer's; isa: the layer's CPU kernel variant (``layer.isa``).
+    """
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.shape[0],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype="auto",
+    )
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    return CPUAttentionMetadata(
+        num_actual_tokens=int(query_start_loc[-1]),
+        max_query_len=int(query_lens.max()),
+        query_start_loc=query_start_loc,
+        max_seq_len=int(seq_lens.max()),
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=torch.empty(0, dtype=torch.int64),  # unused: the pass writes the KV itself
+        scheduler_metadata=scheduler_metadata,
+        causal=True,
+    )
+
+
 @dataclass
 class BlendPass:
     """The attention metadata of a blend's pass through the model's layers (every attention layer gets this object;
-    UCM's attention wrapper calls :meth:`attend` instead of vLLM's kernel).
+    UCM's attention wrapper calls :meth:`attend` instead of its own forward).
+
+    The run's tokens have slots in a paged KV (vLLM's, or a scratch one for a chunk computed on its own) that holds,
+    before the pass, the run's stored KV (and the prefix's). Each layer writes its computed rows' K and V there and
+    runs vLLM's own CPU attention kernel over it: all rows as one prefill of the run (up to the check layer), then
+    the chosen rows as decode-like rows of one token each, at their positions.
 
     Attributes:
         layer_of: attention layer name -> decoder layer index.
-        prefix_kv: per layer ``(K, V)`` of the tokens before the run, ``[start, num_kv_heads, head_dim]`` each.
-        prefix_pos: int64 ``[start]`` their positions.
-        kv: ``[num_layers, 2, T, num_kv_heads, head_dim]`` the run's KV: the stored KV (keys at their positions in
-            this prompt) where ``stored`` says so, overwritten by each layer's recomputed rows; its final value is
-            the run's KV.
+        caches: attention layer name -> the paged KV the pass reads and writes.
+        block_table: int32 ``[1, W]`` the run's request's blocks in ``caches``.
+        slots: int64 ``[T]`` the run tokens' slots; positions: int64 ``[T]`` their positions (contiguous).
+        kv: ``[num_layers, 2, T, num_kv_heads, head_dim]``: the stored KV (keys at their positions in this prompt)
+            where ``stored`` says so on entry; each layer's computed rows are recorded into it.
         stored: bool ``[T]``: which run tokens have stored KV (the others are always recomputed).
-        positions: int64 ``[T]`` the run's positions.
         check_layer / ratio: where and how many tokens are chosen (``compute_meta``).
         rows: int64 the run rows the layers compute now (all, then the chosen ones after ``check_layer``).
         chosen: set by :meth:`attend` at ``check_layer``: the rows recomputed from then on, sorted: the ``ratio`` of
@@ -119,36 +178,44 @@ class BlendPass:
     """
 
     layer_of: dict[str, int]
-    prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]
-    prefix_pos: torch.Tensor
+    caches: dict[str, torch.Tensor]
+    block_table: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
     kv: torch.Tensor
     stored: torch.Tensor
-    positions: torch.Tensor
     check_layer: int
     ratio: float
     rows: torch.Tensor = field(init=False)
     chosen: torch.Tensor | None = None
+    _metadata: CPUAttentionMetadata | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.rows = torch.arange(self.positions.shape[0])
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Compute only ``rows`` (run row indices) from the next layer on."""
+        self.rows = rows
+        self._metadata = None
+
     def attend(
         self,
-        layer_name: str,
+        impl: CPUAttentionBackendImpl,
+        layer: Any,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         output: torch.Tensor,
-        scale: float,
     ) -> None:
-        """One attention layer of the pass: record the computed rows' K and V, choose the rows to recompute at the
-        check layer, and write the rows' attention over the prefix and the run into ``output``.
+        """One attention layer of the pass: choose the rows to recompute at the check layer, write the computed rows'
+        K and V into the paged KV (and record them), and run vLLM's kernel for the rows into ``output``.
 
         Args:
-            query: ``[n, num_heads, head_dim]``, key / value ``[n, num_kv_heads, head_dim]``: the rows ``rows`` of the
-                run (post-RoPE); output: ``[n, num_heads, head_dim]``, written.
+            impl: the layer's vLLM CPU attention impl; layer: the ``Attention`` module (``layer_name``, ``isa``).
+            query: ``[n, num_heads, head_dim]``, key / value ``[n, num_kv_heads, head_dim]``: the rows ``rows`` of
+                the run (post-RoPE); output: ``[n, num_heads, head_dim]``, written.
         """
-        i = self.layer_of[layer_name]
+        i = self.layer_of[layer.layer_name]
         n = self.rows.shape[0]
         k_new, v_new = key.view(n, *self.kv.shape[3:]), value.view(n, *self.kv.shape[3:])
         if i == self.check_layer:  # every row is computed here: rank the stored ones, keep the others
@@ -158,12 +225,34 @@ class BlendPass:
             self.chosen = torch.cat((picked, (~self.stored).nonzero().flatten())).sort().values
         self.kv[i, 0, self.rows] = k_new
         self.kv[i, 1, self.rows] = v_new
-        prefix_k, prefix_v = self.prefix_kv[i]
-        keys = torch.cat((prefix_k, self.kv[i, 0]))
-        values = torch.cat((prefix_v, self.kv[i, 1]))
-        k_pos = torch.cat((self.prefix_pos, self.positions))
-        out = attention_by_position(query, self.positions[self.rows], keys, values, k_pos, scale)
-        output.copy_(out.view_as(output))
+        cache = self.caches[layer.layer_name]
+        impl.do_kv_cache_update(layer, k_new, v_new, cache, self.slots[self.rows])
+        if self._metadata is None:
+            self._metadata = self._rows_metadata(impl, query.dtype, layer.isa)
+        CPUAttentionBackendImpl.forward(impl, layer, query, k_new, v_new, cache, self._metadata, output)
+
+    def _rows_metadata(self, impl: CPUAttentionBackendImpl, dtype: torch.dtype, isa: str) -> CPUAttentionMetadata:
+        """All run rows: one request whose last ``T`` tokens are the queries. Some rows: one request per row, its
+        query the last token of a sequence ending at the row's position (same blocks)."""
+        n = self.rows.shape[0]
+        if n == self.positions.shape[0]:
+            query_start_loc = torch.tensor([0, n], dtype=torch.int32)
+            seq_lens = (self.positions[-1:] + 1).to(torch.int32)
+            table = self.block_table
+        else:
+            query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+            seq_lens = (self.positions[self.rows] + 1).to(torch.int32)
+            table = self.block_table.expand(n, -1).contiguous()
+        return cpu_attention_metadata(
+            query_start_loc,
+            seq_lens,
+            table,
+            num_heads=impl.num_heads,
+            num_kv_heads=impl.num_kv_heads,
+            head_dim=impl.head_size,
+            dtype=dtype,
+            isa=isa,
+        )
 
 
 @dataclass(frozen=True)
@@ -298,13 +387,13 @@ class Blender:
             stored[lo - start : hi - start] = True
             reused += hi - lo
         t1 = time.perf_counter()
-        prefix_kv = self._prefix_kv(t.block_ids, start)
-        chosen = self._run_layers(t.token_ids[start:end], torch.arange(start, end), prefix_kv, kv, stored)
         positions = torch.arange(start, end)
         ids = torch.tensor(t.block_ids, dtype=torch.int64)
         slots = ids[positions // bs] * bs + positions % bs
-        for i, attn in enumerate(self._attn):
+        for i, attn in enumerate(self._attn):  # the stored KV in place; the pass overwrites the rows it computes
             attn.impl.do_kv_cache_update(attn, kv[i, 0], kv[i, 1], self._kv_caches[attn.layer_name], slots)
+        table = ids.to(torch.int32)[None, :]
+        chosen = self._run_layers(t.token_ids[start:end], positions, self._kv_caches, table, slots, kv, stored)
         logger.info(
             "request_id: %s, blend of tokens %d-%d: %d chunks, %d tokens from stored chunks (%d chunks computed and "
             "stored), %d recomputed after %s (ratio %.2f); chunks %.0f ms, pass %.0f ms",
@@ -329,8 +418,16 @@ class Blender:
         keys = rank_keys(block_keys(seed, tokens, bs), 0, 1)
         found = self._store.lookup(keys) if keys else 0
         if found < len(keys) and self._cfg.store_chunks:
-            kv = torch.zeros((len(self._layers), 2, len(tokens), spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
-            self._run_layers(tokens, torch.arange(len(tokens)), None, kv, torch.zeros(len(tokens), dtype=torch.bool))
+            n = len(tokens)
+            kv = torch.zeros((len(self._layers), 2, n, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+            nb = -(-n // bs)  # a scratch paged KV of the chunk's blocks, in the layers' layout
+            scratch = {
+                name: torch.zeros((nb, spec.num_kv_heads, bs, 2 * spec.head_dim), dtype=spec.dtype)
+                for name in self._kv_caches
+            }
+            table = torch.arange(nb, dtype=torch.int32)[None, :]
+            slots = torch.arange(n)
+            self._run_layers(tokens, torch.arange(n), scratch, table, slots, kv, torch.zeros(n, dtype=torch.bool))
             missing = keys[found:]
             blocks = kv[:, :, found * bs : len(keys) * bs].unflatten(2, (len(missing), bs)).permute(2, 0, 1, 3, 4, 5)
             rows = blocks.contiguous().view(torch.uint8).view(len(missing), -1)
@@ -348,50 +445,36 @@ class Blender:
             len(self._layers), 2, found * bs, spec.num_kv_heads, spec.head_dim
         ), False
 
-    def _prefix_kv(self, block_ids: list[int], start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, ``(K, V)`` of the request's first ``start`` tokens, read from the paged KV: ``[start,
-        num_kv_heads, head_dim]`` each."""
-        assert self._layout is not None
-        bs = self._spec.block_size
-        nb = -(-start // bs)
-        ids = torch.tensor(block_ids[:nb], dtype=torch.int64)
-        out = []
-        for attn in self._attn:
-            k, v = cpu_attn_kv_views(self._kv_caches[attn.layer_name], self._layout)
-            shape = (nb * bs, self._spec.num_kv_heads, self._spec.head_dim)
-            out.append((k[ids].reshape(shape)[:start], v[ids].reshape(shape)[:start]))
-        return out
-
     def _run_layers(
         self,
         tokens: list[int],
         positions: torch.Tensor,
-        prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        caches: dict[str, torch.Tensor],
+        block_table: torch.Tensor,
+        slots: torch.Tensor,
         kv: torch.Tensor,
         stored: torch.Tensor,
     ) -> int:
-        """Run ``tokens`` at ``positions`` through the model's decoder layers over ``prefix_kv`` (None: no prefix),
-        recomputing every token up to the check layer and the chosen ones after it (all when none is ``stored``);
-        ``kv`` (``[num_layers, 2, T, num_kv_heads, head_dim]``) holds the stored KV on entry and the run's KV on
-        return. Returns the tokens recomputed after the check layer."""
-        from vllm.forward_context import set_forward_context
-
-        spec = self._spec
-        empty = torch.empty((0, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
-        first = positions[0].item() if positions.numel() else 0
+        """Run ``tokens`` at ``positions`` (contiguous) through the model's decoder layers over the paged KV
+        ``caches`` (see :class:`BlendPass`: the tokens' ``slots`` of the request whose blocks are ``block_table``;
+        the KV before them and the run's stored KV already there), recomputing every token up to the check layer and
+        the chosen ones after it (all when none is ``stored``); ``kv`` (``[num_layers, 2, T, num_kv_heads,
+        head_dim]``) holds the stored KV on entry and the run's KV on return, as ``caches`` do. Returns the tokens
+        recomputed after the check layer."""
         state = BlendPass(
             layer_of={a.layer_name: i for i, a in enumerate(self._attn)},
-            prefix_kv=prefix_kv if prefix_kv is not None else [(empty, empty)] * len(self._layers),
-            prefix_pos=torch.arange(first if prefix_kv is not None else 0),
+            caches=caches,
+            block_table=block_table,
+            slots=slots,
+            positions=positions,
             kv=kv,
             stored=stored,
-            positions=positions,
             check_layer=self._cfg.check_layer,
             ratio=self._cfg.ratio,
         )
         metadata = {a.layer_name: state for a in self._attn}
         ids = torch.tensor(tokens, dtype=torch.int64)
-        # No slot mapping: vLLM's cache writer skips every layer (the run's KV is written once, at the end).
+        # No slot mapping: vLLM's cache writer skips every layer (the pass writes the KV itself).
         with torch.inference_mode(), set_forward_context(metadata, self._vllm_config, slot_mapping={}):
             hidden = self._embed(ids)
             residual = None
@@ -399,7 +482,8 @@ class Blender:
                 hidden, residual = layer(positions[state.rows], hidden, residual)
                 if i == self._cfg.check_layer and state.chosen is not None:
                     keep = state.chosen
-                    hidden, residual, state.rows = hidden[keep], residual[keep], state.rows[keep]
+                    hidden, residual = hidden[keep], residual[keep]
+                    state.select(state.rows[keep])
                     if not keep.numel():
                         break
         return int(state.rows.numel())

@@ -266,10 +266,7 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
             ValueError: a sparse method is on and ``kv_cache`` does not fit the layout of ``layer.isa``.
         """
         if isinstance(attn_metadata, BlendPass):  # a CacheBlend pass (ucm.integration.vllm.blend) runs the layer
-            n = query.shape[0]
-            attn_metadata.attend(
-                layer.layer_name, query, key, value, output.view(n, self.num_heads, self.head_size), self.scale
-            )
+            attn_metadata.attend(self, layer, query, key, value, output.view(query.shape[0], self.num_heads, -1))
             return output
         if self._method is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:
             attn_metadata = self._sparse_metadata(layer, query, kv_cache, attn_metadata)

@@ -1,0 +1,143 @@
+"""CacheBlend's quality: exact match and token F1 of multi-document QA whose documents come back in shuffled orders,
+for full prefill, UCM prefix caching only, naive reuse (Blend ratio 0) and Blend at several ratios, through the real
+engine (CPU build).
+
+Run::
+
+    .venv/bin/python benchmarks/blend_quality.py [--model smollm2|DIR] [--models-dir models] [--lengths 1536]
+        [--docs 4] [--orders 3] [--questions Q] [--ratios 0,0.05,0.15,0.3,1] [--no-prefix-only]
+        [--chunk-end '<file_sep>'] [--check-layer model.layers.1.self_attn.attn] [--dtype float32]
+        [--block-size 32] [--seed 0] [--work-dir DIR] [--out results.json]
+
+What runs: ``ucm.quality.blend.run_blend_quality`` (its module docstring: the modes, the store-primed pass, the
+configs). Prompts: the quality harness's ``blend`` task (``ucm.quality.tasks.blend_items``): per length ``--docs``
+real documents, each with a fact line "The reference number of Document k is N." and headed "Document k" wherever
+it stands, each ended by ``--chunk-end``, in ``--orders`` distinct seeded orders, then "What is the reference number
+of Document k?" (``--questions`` per order, default every document). Exact match: the first number of the answer is
+N; F1: SQuAD's token F1 of the answer sentence (``ucm.quality.tasks.answer_f1``).
+
+Printed: one table row per mode as its engine finishes (EM, F1, exact-match rate of the generated tokens against
+full prefill, and for Blend the scored prompts' reused and recomputed tokens and the chunks they had to compute, 0
+when every document came from the store), the issue's target (ratio 0.15: EM and F1 >= 98% of full prefill's),
+then the whole report as one JSON line, the last line. Exit status 0 when the runs completed (whatever the numbers),
+2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import emit_summary, load_avg, machine_info  # noqa: E402
+from ucm.quality.blend import CHECK_LAYER, RATIOS, modes, run_blend_quality  # noqa: E402
+from ucm.quality.harness import DTYPES  # noqa: E402
+from ucm.quality.tasks import BLEND_CHUNK_END, NUM_DOCS  # noqa: E402
+
+
+def _numbers(kind: type, text: str) -> list[Any]:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {kind.__name__}s") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: no value given")
+    return values
+
+
+HEADER = f"{'mode':12s} {'EM':>6s} {'F1':>6s} {'tokens=full':>11s} {'reused':>7s} {'recomp':>7s} {'computed':>8s}"
+
+
+def row(name: str, m: dict[str, Any]) -> str:
+    """One mode's table row: EM and F1 (all lengths), the fraction of prompts whose generated tokens equal full
+    prefill's, and for Blend the scored prompts' reused tokens, recomputed tokens and computed chunks."""
+    same = (m.get("vs_dense") or {}).get("exact_match_rate")
+    blend = m.get("blend") or {}
+    return (
+        f"{name:12s} {m['accuracy']['blend']['all']:6.3f} {m['f1']['blend']['all']:6.3f} "
+        f"{'-' if same is None else f'{same:.3f}':>11s} {blend.get('reused_tokens', '-')!s:>7s} "
+        f"{blend.get('recomputed_tokens', '-')!s:>7s} {blend.get('chunks_computed', '-')!s:>8s}"
+    )
+
+
+def target_line(report: dict[str, Any]) -> str | None:
+    """The issue's target, as a sentence (None when full prefill or ratio 0.15 did not run)."""
+    t = report.get("target")
+    if t is None:
+        return None
+    return (
+        f"target: ratio {t['ratio']}: EM {t['accuracy_vs_full']} and F1 {t['f1_vs_full']} of full prefill's "
+        f"(>= {t['fraction']}): {'met' if t['met'] else 'NOT met'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="'smollm2' (built into --models-dir) or a model directory")
+    p.add_argument("--models-dir", type=Path, default=REPO / "models")
+    p.add_argument("--lengths", type=lambda t: _numbers(int, t), default=[1536], help="prompt lengths, tokens")
+    p.add_argument("--docs", type=int, default=NUM_DOCS, help="documents per prompt")
+    p.add_argument("--orders", type=int, default=3, help="distinct document orders per length")
+    p.add_argument("--questions", type=int, default=None, help="questions per order (default: every document)")
+    p.add_argument("--ratios", type=lambda t: _numbers(float, t), default=list(RATIOS), help="Blend ratios (0: naive)")
+    p.add_argument("--no-prefix-only", action="store_true", help="skip the prefix-caching-only mode")
+    p.add_argument("--chunk-end", default=BLEND_CHUNK_END, help="chunk-end text (one token of the tokenizer)")
+    p.add_argument("--check-layer", default=CHECK_LAYER, help="compute_meta's attention layer")
+    p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size (the store's unit)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", type=Path, default=None, help="keep engine logs, configs and stores here")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    args = p.parse_args(argv)
+    if args.model == "smollm2":
+        from ucm.testing.models import ensure_smollm2
+
+        model = ensure_smollm2(args.models_dir)
+    else:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            p.error(f"--model {args.model!r}: no config.json there (a model directory, or 'smollm2')")
+    load_start = load_avg()
+    t0 = time.perf_counter()
+    printed: list[str] = []
+
+    def progress(name: str, entry: dict[str, Any]) -> None:  # a row as each engine finishes
+        if not printed:
+            print(HEADER)
+        printed.append(name)
+        print(row(name, entry), flush=True)
+
+    try:
+        report = run_blend_quality(
+            model,
+            lengths=args.lengths,
+            mode_list=modes(args.ratios, prefix_only=not args.no_prefix_only),
+            num_docs=args.docs,
+            orders=args.orders,
+            questions=args.questions,
+            chunk_end=args.chunk_end,
+            check_layer=args.check_layer,
+            seed=args.seed,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            work_dir=args.work_dir,
+            progress=progress,
+        )
+    except ValueError as err:  # bad ratios, lengths, chunk-end text, dtype
+        p.error(str(err))
+    report["machine"] = machine_info(load_start)
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    line = target_line(report)
+    if line is not None:
+        print(line)
+    return emit_summary(report, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
