@@ -54,7 +54,6 @@ import argparse
 import itertools
 import math
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -70,7 +69,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
-from ucm.testing.engine import HIT_RE, RequestResult, failed_loads, run_engine, ucm_transfer_config  # noqa: E402
+from ucm.testing.engine import (  # noqa: E402
+    BLEND_RE,
+    HIT_RE,
+    RequestResult,
+    failed_loads,
+    run_engine,
+    ucm_transfer_config,
+)
 from ucm.testing.models import ensure_smollm2, ensure_tiny_llama  # noqa: E402
 from ucm.testing.texts import source_texts  # noqa: E402
 
@@ -89,11 +95,6 @@ WARMUP_PROMPT = (
 )
 TARGET_RATIO = 0.15
 TARGET_TTFT = 0.5
-# UCM's per-blend log line (ucm.integration.vllm.blend.Blender.blend).
-BLEND_RE = re.compile(
-    r"request_id: (\S+), blend of tokens (\d+)-(\d+): (\d+) chunks, (\d+) tokens from stored chunks \((\d+) chunks "
-    r"computed and stored\), (\d+) recomputed after \S+ \(ratio [\d.]+\); chunks ([\d.]+) ms, pass ([\d.]+) ms"
-)
 
 
 @dataclass

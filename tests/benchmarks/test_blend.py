@@ -60,9 +60,9 @@ def test_shuffles_are_distinct_and_never_in_order() -> None:
 def test_blend_lines_parses_the_log_of_each_request() -> None:
     blend = load_script("blend")
     log = (
-        "[UC][I] request_id: 2-b2, blend of tokens 128-322: 2 chunks, 128 tokens from stored chunks (0 chunks "
-        "computed and stored), 69 recomputed after model.layers.1.self_attn.attn (ratio 0.15); chunks 29 ms, pass "
-        "530 ms\n"
+        "[UC][I] request_id: 2-b2, blend of tokens 128-322: 2 chunks, 128 tokens with their chunk's own KV (0 chunks "
+        "were not stored: computed on their own and stored now), 69 recomputed after model.layers.1.self_attn.attn "
+        "(ratio 0.15); chunks 29 ms, pass 530 ms\n"
     )
     (line,) = blend.blend_lines(log).values()
     assert (line.tokens, line.chunks, line.reused, line.computed_chunks, line.recomputed) == (194, 2, 128, 0, 69)

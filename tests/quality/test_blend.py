@@ -202,9 +202,9 @@ def test_modes_and_their_configs(tmp_path):
 
 def test_blend_log_lines_are_summed_per_request():
     line = (
-        "INFO [blend.py:305] request_id: {rid}, blend of tokens {s}-{e}: 5 chunks, {r} tokens from stored chunks "
-        "({c} chunks computed and stored), {k} recomputed after model.layers.1.self_attn.attn (ratio 0.15); chunks "
-        "3 ms, pass 40 ms"
+        "INFO [blend.py:305] request_id: {rid}, blend of tokens {s}-{e}: 5 chunks, {r} tokens with their chunk's "
+        "own KV ({c} chunks were not stored: computed on their own and stored now), {k} recomputed after "
+        "model.layers.1.self_attn.attn (ratio 0.15); chunks 3 ms, pass 40 ms"
     )
     log = "\n".join(
         [

@@ -77,3 +77,22 @@ def test_ucm_prefix_caching_equals_dense(report, run):
     assert got["accuracy"] == dense["accuracy"]
     assert got["answers"] == dense["answers"]
     assert vs["perplexity_mean_abs_logprob_diff"] < LOGPROB_TOL
+
+
+def test_max_model_len_past_the_trained_length_raises_max_position_embeddings() -> None:
+    """``--max-model-len`` above the model's ``max_position_embeddings`` (1024 for the recall model) raises that value
+    through vLLM's ``hf_overrides`` and lets prompts up to it be built; at or below it nothing is overridden."""
+    from ucm.quality.harness import build_items, engine_spec
+
+    longer = engine_spec(RECALL_MODEL_DIR, "auto", None, 2048)
+    assert longer["max_model_len"] == 2048
+    assert longer["engine_args"] == {"hf_overrides": {"max_position_embeddings": 2048}}
+    assert engine_spec(RECALL_MODEL_DIR, "auto", 32, None) == {
+        **longer,
+        "max_model_len": 1024,
+        "engine_args": {"block_size": 32},
+    }
+    items = build_items(RECALL_MODEL_DIR, "recall", [2048], True, 0, 2048)
+    assert {it.length for it in items if it.task == "recall"} == {2048}
+    with pytest.raises(ValueError, match=r"length 2048 must be in 64\.\.1024"):
+        build_items(RECALL_MODEL_DIR, "recall", [2048], True, 0)

@@ -6,13 +6,12 @@ recomputes exactly. A random-weight 4-layer Llama (float32), so that the only di
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import MODELS_DIR
-from ucm.testing.engine import RequestResult, run_engine, ucm_transfer_config
+from ucm.testing.engine import BLEND_RE, RequestResult, run_engine, ucm_transfer_config
 from ucm.testing.texts import real_text
 
 pytestmark = pytest.mark.engine
@@ -20,10 +19,6 @@ pytestmark = pytest.mark.engine
 SEP = "<file_sep>"
 SEP_ID = 5
 QUESTION = " Question: which of these texts speaks of copies? Answer:"
-BLEND_RE = re.compile(
-    r"request_id: (\S+), blend of tokens (\d+)-(\d+): (\d+) chunks, (\d+) tokens from stored chunks \((\d+) chunks "
-    r"computed and stored\), (\d+) recomputed"
-)
 
 
 def _prompt(docs: list[str], order: tuple[int, ...]) -> str:
@@ -76,7 +71,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 def _blends(log: str) -> list[tuple[int, ...]]:
-    return [tuple(int(x) for x in m[1:]) for m in BLEND_RE.findall(log)]
+    return [tuple(int(x) for x in m[1:7]) for m in BLEND_RE.findall(log)]
 
 
 def _max_diff(a: RequestResult, b: RequestResult) -> float:

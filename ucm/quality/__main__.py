@@ -72,6 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--block-size", type=int, default=None, help="vLLM KV block size (default: vLLM's)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length; above the model's max_position_embeddings it raises that through hf_overrides "
+        "(ReRoPE past the trained length)",
+    )
     p.add_argument("--keep-store", action="store_true", help="use the config's storage_backends, not a fresh dir")
     p.add_argument("--work-dir", type=Path, default=None, help="keep engine logs (and the store) here")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON report to this file")
@@ -97,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             block_size=args.block_size,
             keep_store=args.keep_store,
             work_dir=args.work_dir,
+            max_model_len=args.max_model_len,
         )
     except ValueError as err:  # bad lengths, bad config (UcmConfigError is a ValueError)
         p.error(str(err))

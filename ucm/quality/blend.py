@@ -23,7 +23,6 @@ The Blend config: ``{chunk_end_token_id: <the chunk-end text's token>, compute_m
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -44,6 +43,7 @@ from ucm.quality.harness import (
     run_ucm,
 )
 from ucm.quality.tasks import BLEND_CHUNK_END, NUM_DOCS, EvalItem, blend_items
+from ucm.testing.engine import BLEND_RE
 from ucm.testing.texts import Tokenizer
 
 RATIOS: tuple[float, ...] = (0.0, 0.05, 0.15, 0.3, 1.0)  # the issue's: naive reuse, then CacheBlend's ratios
@@ -51,10 +51,6 @@ CHECK_LAYER = "model.layers.1.self_attn.attn"  # where CacheBlend picks the toke
 STORE_PIPELINE = "Cache|Posix"
 TARGET_RATIO = 0.15
 TARGET_FRACTION = 0.98  # the target: accuracy at ratio 0.15 >= 98% of full prefill's
-BLEND_RE = re.compile(
-    r"request_id: (\S+), blend of tokens (\d+)-(\d+): (\d+) chunks, (\d+) tokens from stored chunks \((\d+) chunks "
-    r"computed and stored\), (\d+) recomputed"
-)  # UCM's per-blend info line (ucm.integration.vllm.blend.Blender.blend)
 
 
 @dataclass(frozen=True)

@@ -90,18 +90,24 @@ def model_max_len(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
 
 
-def build_items(model_dir: Path, suite: Suite, lengths: list[int], short: bool, seed: int) -> list[EvalItem]:
-    """The evaluation items of ``suite`` for the model in ``model_dir``.
+def build_items(
+    model_dir: Path, suite: Suite, lengths: list[int], short: bool, seed: int, max_len: int | None = None
+) -> list[EvalItem]:
+    """The evaluation items of ``suite`` for the model in ``model_dir``; ``max_len``: the engines' context length
+    (None: the model's ``max_position_embeddings``).
 
     Raises:
-        ValueError: ``suite`` is not one of ``SUITES``, or a length is < 64 or above the model's context length.
+        ValueError: ``suite`` is not one of ``SUITES``, or a length is < 64 or above the context length.
     """
     if suite not in SUITES:
         raise ValueError(f"suite={suite!r} is not one of {SUITES}")
-    max_len = model_max_len(model_dir)
+    max_len = model_max_len(model_dir) if max_len is None else max_len
     for length in lengths:
         if not 64 <= length <= max_len:
-            raise ValueError(f"length {length} must be in 64..{max_len} (the model's max_position_embeddings)")
+            raise ValueError(
+                f"length {length} must be in 64..{max_len} (the context length: the model's max_position_embeddings "
+                "or --max-model-len)"
+            )
     if suite == "recall":
         return recall_suite(RecallSpec.load(model_dir), lengths, short, seed)
     from transformers import AutoTokenizer
@@ -263,15 +269,25 @@ def environment_info() -> dict[str, Any]:
     }
 
 
-def engine_spec(model_dir: Path, dtype: str, block_size: int | None) -> dict[str, Any]:
+def engine_spec(
+    model_dir: Path, dtype: str, block_size: int | None, max_model_len: int | None = None
+) -> dict[str, Any]:
     """The ``run_engine`` spec both engines share (requests and connector left to fill): the model, ``dtype``, its
-    context length, vLLM's prefix cache on (reset before each request), ``block_size`` (None: vLLM's default)."""
+    context length, vLLM's prefix cache on (reset before each request), ``block_size`` (None: vLLM's default).
+
+    ``max_model_len`` above the model's ``max_position_embeddings`` raises that value through vLLM's
+    ``hf_overrides`` (vLLM refuses a longer context otherwise, and sizes its RoPE tables by it): for methods that run
+    a model past its trained length (ReRoPE). None: the model's own."""
+    engine_args: dict[str, Any] = {} if block_size is None else {"block_size": block_size}
+    own = model_max_len(model_dir)
+    if max_model_len is not None and max_model_len > own:
+        engine_args["hf_overrides"] = {"max_position_embeddings": max_model_len}
     return {
         "model": str(model_dir),
         "dtype": dtype,
-        "max_model_len": model_max_len(model_dir),
+        "max_model_len": own if max_model_len is None else max_model_len,
         "enable_prefix_caching": True,
-        "engine_args": {} if block_size is None else {"block_size": block_size},
+        "engine_args": engine_args,
         "connector": None,
     }
 
@@ -346,6 +362,7 @@ def run_quality(
     work_dir: Path | None = None,
     timeout_s: float = 3600,
     kvcache_gib: int = 1,
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """Run the harness (see the module docstring) and return its JSON-serializable report.
 
@@ -363,6 +380,8 @@ def run_quality(
         timeout_s: per engine process.
         kvcache_gib: vLLM's CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB); 1 GiB holds 8K tokens of
             SmolLM2 (23 KiB per token) many times over, and a smaller cache keeps the engine's memory down.
+        max_model_len: the engines' context length (None: the model's ``max_position_embeddings``; longer: see
+            :func:`engine_spec`).
 
     Raises:
         ValueError: bad ``suite``, ``dtype`` or lengths (the message names the allowed values).
@@ -383,12 +402,12 @@ def run_quality(
 
         load_config_file(config_path)  # fail here, with UCM's message, rather than inside the engine
     lengths = lengths or default_lengths(suite, model_dir, short)
-    items = build_items(model_dir, suite, lengths, short, seed)
+    items = build_items(model_dir, suite, lengths, short, seed, max_model_len)
     own_dir = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="ucm-quality-")) if work_dir is None else work_dir
     work.mkdir(parents=True, exist_ok=True)
     try:
-        spec = engine_spec(model_dir, dtype, block_size)
+        spec = engine_spec(model_dir, dtype, block_size, max_model_len)
         base = run_dense(items, spec, work / "dense.log", kvcache_gib=kvcache_gib, timeout_s=timeout_s)
         runs = [base]
         if config_path is not None:
@@ -409,6 +428,7 @@ def run_quality(
         "short": short,
         "seed": seed,
         "lengths": lengths,
+        "max_model_len": spec["max_model_len"],
         "num_prompts": len(items),
         "prompt_tokens": {it.id: r.num_prompt_tokens for it, r in zip(items, base.results, strict=True)},
         "runs": {run.name: run_entry(items, run, None if run is base else base) for run in runs},

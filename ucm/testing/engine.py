@@ -49,6 +49,14 @@ UCM_MODULE = "ucm.integration.vllm.ucm_connector"
 HIT_RE = re.compile(r"request_id: (\S+), total_blocks_num: (\d+), hit hbm: (\d+), hit external: (\d+)")
 # The same line in a data-parallel engine: HIT_RE's fields, then the DP rank (ucm/integration/vllm/scheduler.py).
 DP_HIT_RE = re.compile(HIT_RE.pattern + r", dp rank: (\d+)")
+# CacheBlend's per-blend line (``ucm.integration.vllm.blend.Blender.blend``): request id, run start and end (tokens),
+# chunks, tokens with their chunk's own KV (loaded, or computed now), chunks computed on their own and stored now,
+# tokens recomputed after the check layer, chunk loads and computations (ms), the pass (ms).
+BLEND_RE = re.compile(
+    r"request_id: (\S+), blend of tokens (\d+)-(\d+): (\d+) chunks, (\d+) tokens with their chunk's own KV \((\d+) "
+    r"chunks were not stored: computed on their own and stored now\), (\d+) recomputed after \S+ \(ratio [\d.]+\); "
+    r"chunks ([\d.]+) ms, pass ([\d.]+) ms"
+)
 _RESULT_PREFIX = "UCM_ENGINE_RESULT "
 _LOAD_FAILED_RE = re.compile(r"\[UC\]\[W\] (\d+) of \d+ blocks failed to load")
 

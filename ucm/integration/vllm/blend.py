@@ -347,6 +347,14 @@ class Blender:
         self._embed = getattr(inner, "embed_input_ids", None) or inner.get_input_embeddings
         self._kv_caches = {a.layer_name: kv_caches[a.layer_name] for a in self._attn}
         self._layout = layout
+        logger.info(
+            "CacheBlend on: chunks end with token id %d; tokens chosen at %s, ratio %.2f; chunks the store lacks "
+            "are %s",
+            self._cfg.chunk_end_token_id,
+            check,
+            self._cfg.ratio,
+            "computed on their own and stored" if self._cfg.store_chunks else "recomputed in place, not stored",
+        )
 
     def blend(self, t: BlendTransfer) -> None:
         """Fill tokens ``[t.start, t.end)`` of request ``t.req_id`` into its blocks of the paged KV (see the module
@@ -395,8 +403,9 @@ class Blender:
         table = ids.to(torch.int32)[None, :]
         chosen = self._run_layers(t.token_ids[start:end], positions, self._kv_caches, table, slots, kv, stored)
         logger.info(
-            "request_id: %s, blend of tokens %d-%d: %d chunks, %d tokens from stored chunks (%d chunks computed and "
-            "stored), %d recomputed after %s (ratio %.2f); chunks %.0f ms, pass %.0f ms",
+            "request_id: %s, blend of tokens %d-%d: %d chunks, %d tokens with their chunk's own KV (%d chunks were "
+            "not stored: computed on their own and stored now), %d recomputed after %s (ratio %.2f); chunks %.0f ms, "
+            "pass %.0f ms",
             t.req_id,
             start,
             end,
