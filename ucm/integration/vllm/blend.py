@@ -56,8 +56,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm import _custom_ops as ops
-from vllm import envs
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
@@ -124,20 +122,10 @@ def cpu_attention_metadata(
         block_table: int32 ``[R, W]`` vLLM block ids per request.
         num_heads / num_kv_heads / head_dim / dtype: the layer's; isa: the layer's CPU kernel variant (``layer.isa``).
     """
-    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.shape[0],
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        seq_lens=seq_lens,
-        dtype=dtype,
-        query_start_loc=query_start_loc,
-        causal=True,
-        sliding_window_size=-1,
-        isa=isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        dynamic_causal=None,
-        kv_cache_dtype="auto",
+    from ucm.integration.vllm.sparse_backend import cpu_scheduler_metadata  # the wrapper imports this module
+
+    scheduler_metadata = cpu_scheduler_metadata(
+        query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, dtype, isa
     )
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     return CPUAttentionMetadata(

@@ -388,22 +388,9 @@ def sparse_cpu_metadata(
             sel.kept.tolist(),
             sel.num_blocks.tolist(),
         )
-    # What CPUAttentionMetadataBuilder.build computes from seq_lens, with the builder's arguments (no sliding
-    # window: layers with one never get here; no dynamic causal mask: checked by the caller).
-    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=num_reqs,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=two_d // 2,
-        seq_lens=seq_lens,
-        dtype=query.dtype,
-        query_start_loc=md.query_start_loc,
-        causal=md.causal,
-        sliding_window_size=-1,
-        isa=isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        dynamic_causal=None,
-        kv_cache_dtype="auto",
+    # No sliding window: layers with one never get here; no dynamic causal mask: checked by the caller.
+    scheduler_metadata = cpu_scheduler_metadata(
+        md.query_start_loc, seq_lens, num_heads, num_kv_heads, two_d // 2, query.dtype, isa, causal=md.causal
     )
     return dataclasses.replace(
         md,
@@ -411,6 +398,38 @@ def sparse_cpu_metadata(
         seq_lens=seq_lens,
         max_seq_len=int(seq_lens.max()),
         scheduler_metadata=scheduler_metadata,
+    )
+
+
+def cpu_scheduler_metadata(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    isa: str,
+    *,
+    causal: bool = True,
+) -> torch.Tensor:
+    """The ``scheduler_metadata`` of vLLM's CPU attention metadata, as ``CPUAttentionMetadataBuilder.build`` computes
+    it (with the builder's arguments: no sliding window, no dynamic causal mask, KV in the model's dtype) for
+    requests whose queries are rows ``query_start_loc[r] .. query_start_loc[r + 1]`` (int32 ``[R + 1]``), the last
+    tokens of their ``seq_lens[r]`` (int32 ``[R]``); ``isa``: the layer's CPU kernel variant (``layer.isa``)."""
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.shape[0],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start_loc,
+        causal=causal,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype="auto",
     )
 
 

@@ -32,6 +32,27 @@ from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
 QUERY_CHUNK = 256
 
 
+def check_rerope_args(
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int, leaky_factor: float, rotary_dim: int | None
+) -> int:
+    """Check ReRoPE's attention arguments shared by every implementation; return ``rotary_dim`` (None: head_dim).
+
+    Raises:
+        ValueError: heads that do not group (``num_heads % num_kv_heads``), ``window`` < 1, ``leaky_factor`` < 1, or a
+            ``rotary_dim`` odd, < 2 or above ``head_dim``.
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if not leaky_factor >= 1:
+        raise ValueError(f"leaky_factor must be >= 1 (inf: plain ReRoPE, 1: RoPE), got {leaky_factor}")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be even, >= 2 and <= head_dim ({head_dim}), got {rotary_dim}")
+    return rotary_dim
+
+
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of RoPE's angles at ``positions`` (float64 ``[n]``, any real values), computed in float64:
     float32 ``[n, 1, rotary_dim / 2]`` each."""
@@ -142,15 +163,7 @@ def rerope_paged_attention(
     k, v = cpu_attn_kv_views(kv_cache, layout)
     _, num_kv_heads, block_size, _ = kv_cache.shape
     geometry = (block_size, num_kv_heads, head_dim)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if not leaky_factor >= 1:
-        raise ValueError(f"leaky_factor must be >= 1 (inf: plain ReRoPE, 1: RoPE), got {leaky_factor}")
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim must be even, >= 2 and <= head_dim ({head_dim}), got {rotary_dim}")
+    rotary_dim = check_rerope_args(num_heads, num_kv_heads, head_dim, window, leaky_factor, rotary_dim)
     scale = head_dim**-0.5 if scale is None else scale
     group = num_heads // num_kv_heads
     inv_k = 0.0 if math.isinf(leaky_factor) else 1.0 / leaky_factor

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ucm.kernels.layouts import KVLayout, paged_shape
-from ucm.kernels.rerope.torch import rope_cos_sin
+from ucm.kernels.rerope.torch import check_rerope_args, rope_cos_sin
 from ucm.kernels.utils import launchable, num_warps
 
 # Positions per fine table (the ``lo`` of ``p = hi * ANGLE_TILE + lo``): a power of two.
@@ -382,15 +382,7 @@ def rerope_paged_attention_triton(
         )
     if query.device != kv_cache.device:
         raise ValueError(f"query is on {query.device}, kv_cache on {kv_cache.device}: they must share a device")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if not leaky_factor >= 1:
-        raise ValueError(f"leaky_factor must be >= 1 (inf: plain ReRoPE, 1: RoPE), got {leaky_factor}")
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim must be even, >= 2 and <= head_dim ({head_dim}), got {rotary_dim}")
+    rotary_dim = check_rerope_args(num_heads, num_kv_heads, head_dim, window, leaky_factor, rotary_dim)
     num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     _check_index("seq_lens", seq_lens, (-1,), query.device)
     _check_index("block_table", block_table, (num_reqs, -1), query.device)
