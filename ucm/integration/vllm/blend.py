@@ -20,7 +20,8 @@ The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
    (positions from 0, through the model's layers) and stored under those keys (``store_chunks``). Its keys,
    rotated for positions ``0..``, are re-rotated by ``s`` to their positions in this prompt (the RoPE delta,
    ``ucm.kernels.blend.rope_delta_``).
-2. The run's stored KV is written into the request's slots of vLLM's paged cache with vLLM's own cache writer (so
+2. The run's stored KV of the layers after the ``compute_meta`` one (up to it every run token is recomputed) is
+   written into the request's slots of vLLM's paged cache with vLLM's own cache writer (so
    every CPU kernel variant's layout, ``vec``, ``vec16`` and ``amx``, is written as vLLM writes it); tokens without
    stored KV (a chunk's trailing partial block has no key) get zeros there, and are always recomputed.
 3. The run's tokens go through the model's own decoder layers (vLLM's modules: norms, QKV projection, rotary
@@ -147,9 +148,10 @@ class BlendPass:
     UCM's attention wrapper calls :meth:`attend` instead of its own forward).
 
     The run's tokens have slots in a paged KV (vLLM's, or a scratch one for a chunk computed on its own) that holds,
-    before the pass, the run's stored KV (and the prefix's). Each layer writes its computed rows' K and V there and
-    runs vLLM's own CPU attention kernel over it: all rows as one prefill of the run (up to the check layer), then
-    the chosen rows as decode-like rows of one token each, at their positions.
+    before the pass, the prefix's KV and, for the layers after the check layer, the run's stored KV. Each layer
+    writes its computed rows' K and V there and runs vLLM's own CPU attention kernel over it: all rows as one prefill
+    of the run (up to the check layer), then the chosen rows as decode-like rows of one token each, at their
+    positions.
 
     Attributes:
         layer_of: attention layer name -> decoder layer index.
@@ -386,7 +388,10 @@ class Blender:
         positions = torch.arange(start, end)
         ids = torch.tensor(t.block_ids, dtype=torch.int64)
         slots = ids[positions // bs] * bs + positions % bs
-        for i, attn in enumerate(self._attn):  # the stored KV in place; the pass overwrites the rows it computes
+        # The stored KV in place for the layers after the check layer (up to it, the pass computes and writes every
+        # run token); the pass then overwrites the rows it computes.
+        first = self._cfg.check_layer + 1
+        for i, attn in enumerate(self._attn[first:], start=first):
             attn.impl.do_kv_cache_update(attn, kv[i, 0], kv[i, 1], self._kv_caches[attn.layer_name], slots)
         table = ids.to(torch.int32)[None, :]
         chosen = self._run_layers(t.token_ids[start:end], positions, self._kv_caches, table, slots, kv, stored)
@@ -454,10 +459,10 @@ class Blender:
     ) -> int:
         """Run ``tokens`` at ``positions`` (contiguous) through the model's decoder layers over the paged KV
         ``caches`` (see :class:`BlendPass`: the tokens' ``slots`` of the request whose blocks are ``block_table``;
-        the KV before them and the run's stored KV already there), recomputing every token up to the check layer and
-        the chosen ones after it (all when none is ``stored``); ``kv`` (``[num_layers, 2, T, num_kv_heads,
-        head_dim]``) holds the stored KV on entry and the run's KV on return, as ``caches`` do. Returns the tokens
-        recomputed after the check layer."""
+        the KV before them and, after the check layer, the run's stored KV already there), recomputing every token up
+        to the check layer and the chosen ones after it (all when none is ``stored``); ``kv`` (``[num_layers, 2, T,
+        num_kv_heads, head_dim]``) holds the stored KV on entry and the run's KV on return, as ``caches`` do.
+        Returns the tokens recomputed after the check layer."""
         state = BlendPass(
             layer_of={a.layer_name: i for i, a in enumerate(self._attn)},
             caches=caches,
