@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ucm.testing import forkserver
+
 UCM_CONNECTOR = "UCMConnector"
 UCM_MODULE = "ucm.integration.vllm.ucm_connector"
 # UCM's per-request log line (``UCMScheduler.get_num_new_matched_tokens``): request id, full prompt blocks, blocks
@@ -143,20 +145,26 @@ def run_engine(
 
     ``env`` adds to :func:`engine_env` (``VLLM_ENABLE_V1_MULTIPROCESSING`` comes from the spec's
     ``engine_core_process``, see the module doc); ``wrapper`` is a command prefix for the child (``[]``: none).
+    With ``UCM_ENGINE_FORKSERVER=1`` (the test suite) and no wrapper, the process is forked from a server that has
+    imported vLLM already (:mod:`ucm.testing.forkserver`).
 
     Raises:
         RuntimeError: the child failed (its stderr tail is in the message).
     """
     child_env = engine_env(env)
     child_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("engine_core_process") else "0"
-    proc = subprocess.run(
-        [*wrapper, sys.executable, "-m", "ucm.testing.engine"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        env=child_env,
-        timeout=timeout_s,
-    )
+    server = forkserver.server_for(child_env) if forkserver.enabled() and not wrapper else None
+    if server is not None:
+        proc = server.run(spec, child_env, timeout_s)
+    else:
+        proc = subprocess.run(
+            [*wrapper, sys.executable, "-m", "ucm.testing.engine"],
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            env=child_env,
+            timeout=timeout_s,
+        )
     if log_path is not None:
         log_path.write_text(proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT_PREFIX)]
@@ -238,7 +246,10 @@ def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def run_child(spec: dict[str, Any]) -> None:
+    """The engine process's work: run ``spec`` and print the results for :func:`run_engine`."""
+    print(_RESULT_PREFIX + json.dumps(_child(spec)), flush=True)
+
+
 if __name__ == "__main__":
-    _spec = json.loads(sys.stdin.read())
-    _out = _child(_spec)
-    print(_RESULT_PREFIX + json.dumps(_out), flush=True)
+    run_child(json.loads(sys.stdin.read()))
