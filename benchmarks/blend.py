@@ -5,7 +5,8 @@ Run::
 
     .venv/bin/python benchmarks/blend.py [--model smollm2|tiny] [--models-dir models] [--chunks 4]
                                          [--chunk-tokens 512] [--ratios 0.15] [--prompts 3] [--seed 0]
-                                         [--max-tokens 8] [--keep-logs DIR] [--out results.json]
+                                         [--max-tokens 8] [--check-layer model.layers.1.self_attn.attn]
+                                         [--keep-logs DIR] [--out results.json]
 
 Prompts. ``--chunks`` documents of ``--chunk-tokens`` tokens each, cut out of real text
 (``ucm.testing.texts.source_texts``: the cuts are spread evenly over all the text on this machine, so they come from
@@ -69,6 +70,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
+from ucm.config import BLEND_LAYER_RE  # noqa: E402
 from ucm.testing.engine import (  # noqa: E402
     BLEND_RE,
     HIT_RE,
@@ -167,8 +169,9 @@ def prompt_of(chunks: list[str], order: tuple[int, ...]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ engine processes
-def ucm_config(store: Path, chunk_end_id: int, ratio: float | None) -> dict[str, Any]:
-    """UCM's config: the store pipeline on ``store``, with Blend at ``ratio`` unless it is None."""
+def ucm_config(store: Path, chunk_end_id: int, ratio: float | None, check_layer: str = CHECK_LAYER) -> dict[str, Any]:
+    """UCM's config: the store pipeline on ``store``, with Blend at ``ratio`` (chosen at ``check_layer``) unless it
+    is None."""
     config: dict[str, Any] = {
         "ucm_connectors": [
             {
@@ -181,7 +184,7 @@ def ucm_config(store: Path, chunk_end_id: int, ratio: float | None) -> dict[str,
         config["ucm_sparse_config"] = {
             "Blend": {
                 "chunk_end_token_id": chunk_end_id,
-                "compute_meta": {CHECK_LAYER: {"ratio": ratio}},
+                "compute_meta": {check_layer: {"ratio": ratio}},
                 "store_chunks": True,
             }
         }
@@ -297,9 +300,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-tokens", type=int, default=8, help="tokens generated per request (greedy; compared with full prefill's)"
     )
+    p.add_argument(
+        "--check-layer", default=CHECK_LAYER, help="compute_meta's attention layer (every token is computed up to it)"
+    )
     p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
     args = p.parse_args(argv)
+    if not BLEND_LAYER_RE.match(args.check_layer):
+        p.error(
+            f"--check-layer {args.check_layer!r}: not an attention layer name; allowed: model.layers.<i>.self_attn.attn"
+        )
     if args.chunks < 2 or args.chunk_tokens < 1 or args.prompts < 1 or args.max_tokens < 1:
         p.error("need --chunks >= 2 and --chunk-tokens, --prompts, --max-tokens >= 1")
     try:
@@ -352,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, role, ratio in modes:
             store = tmp / f"store-{name}"
             store.mkdir()
-            runs[name] = run_mode(name, base, ucm_config(store, chunk_end_id, ratio), role, tmp, keep_logs)
+            runs[name] = run_mode(
+                name, base, ucm_config(store, chunk_end_id, ratio, args.check_layer), role, tmp, keep_logs
+            )
     full = runs["full"]
     blend = {f"{r:g}": mode_summary(runs[f"blend_{r:g}"], full) for r in args.ratio_list}
     target = blend.get(f"{TARGET_RATIO:g}")
@@ -367,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": BLOCK_SIZE,
         "store_pipeline": STORE_PIPELINE,
         "chunk_end": {"text": CHUNK_END, "token_id": chunk_end_id},
-        "check_layer": CHECK_LAYER,
+        "check_layer": args.check_layer,
         "chunks": args.chunks,
         "chunk_tokens": chunk_tokens,
         "prompts": args.prompts,

@@ -20,7 +20,8 @@ BLEND_FIELDS = ("reused_tokens", "recomputed_tokens", "computed_chunks", "blend_
 
 
 def test_tiny_run_reports_every_mode_and_blend_reuses_stored_chunks() -> None:
-    args = ["--model", "tiny", "--chunks", "2", "--chunk-tokens", "160", "--prompts", "1", "--max-tokens", "2"]
+    args = ["--model", "tiny", "--chunks", "2", "--chunk-tokens", "160", "--prompts", "1", "--max-tokens", "2",
+            "--check-layer", "model.layers.2.self_attn.attn"]  # fmt: skip
     run = subprocess.run(
         [sys.executable, str(BENCHMARKS / "blend.py"), *args], capture_output=True, text=True, timeout=600
     )
@@ -28,6 +29,7 @@ def test_tiny_run_reports_every_mode_and_blend_reuses_stored_chunks() -> None:
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["benchmark"] == "blend" and summary["command"] == "benchmarks/blend.py " + " ".join(args)
     assert {"machine", "versions", "date"} <= summary.keys() and summary["orders"] == [[1, 0]]
+    assert summary["check_layer"] == "model.layers.2.self_attn.attn"
     full, prefix, blend = summary["full"], summary["prefix_only"], summary["blend"]["0.15"]
     for row in (full, prefix, blend):
         assert all(field in row for field in MODE_FIELDS), row
@@ -46,6 +48,14 @@ def test_tiny_run_reports_every_mode_and_blend_reuses_stored_chunks() -> None:
     assert prefix["hit_external_blocks"][0] < blend["hit_external_blocks"][0]
     assert prefix["prompt_reused_tokens"][0] < blend["prompt_reused_tokens"][0]
     assert summary["meets_target"] in (True, False)
+
+
+def test_a_bad_check_layer_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_script("blend").parse_args(["--check-layer", "layers.1"])
+    assert "--check-layer 'layers.1': not an attention layer name; allowed: model.layers.<i>.self_attn.attn" in (
+        capsys.readouterr().err
+    )
 
 
 def test_shuffles_are_distinct_and_never_in_order() -> None:
