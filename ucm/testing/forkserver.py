@@ -65,6 +65,7 @@ LAZY_KEYS = frozenset(
     }
 )
 MAX_SERVERS = 3
+READY_TIMEOUT_S = 300.0  # a server not ready by then (its imports hung) is killed; its runs get plain processes
 _HEADER = struct.Struct(">I")
 
 
@@ -120,7 +121,13 @@ class ForkServer:
         theirs.close()
         self.sock = ours
         self._lock = threading.Lock()
-        ready, _ = _recv(ours)
+        ours.settimeout(READY_TIMEOUT_S)
+        try:
+            ready, _ = _recv(ours)
+        except TimeoutError:
+            ready = None
+            self.proc.kill()
+        ours.settimeout(None)
         self.usable = ready is not None and ready.get("python_threads") == 1
 
     def run(self, spec: dict[str, Any], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -133,13 +140,12 @@ class ForkServer:
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            with self._lock:
+            with theirs, self._lock:
                 _send(
                     self.sock,
                     {"spec": spec, "env": env, "cwd": os.getcwd()},
                     [out.fileno(), err.fileno(), theirs.fileno()],
                 )
-            theirs.close()
             started, _ = _recv(ours)
             if started is None:
                 raise RuntimeError("the engine fork server exited")
@@ -161,12 +167,8 @@ class ForkServer:
         return subprocess.CompletedProcess(["ucm.testing.engine"], ended["returncode"], stdout, stderr)
 
     def close(self) -> None:
-        self.sock.close()  # the server sees EOF and exits
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """Close the server's socket: it exits once its children have ended (a run still going finishes)."""
+        self.sock.close()
 
 
 _servers: list[ForkServer] = []
