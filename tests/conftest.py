@@ -13,12 +13,12 @@ import pytest
 from tests.helpers import MODELS_DIR
 
 # The engines the tests start (children inherit this) run without torch.compile: vLLM 0.32 compiles its sampler's
-# log-prob rank count (``batched_count_greater_than``) at a process's first request that asks for log-probs, which
-# costs a few seconds of every engine start on 2 cores; eager gives the same integers. Every engine the tests start
-# runs eager already (``enforce_eager``, ``--enforce-eager``).
+# log-prob rank count (``batched_count_greater_than``) at a process's first request that asks for log-probs, part of
+# every engine start (benchmarks/RESULTS.md, "Test suite duration"); eager gives the same integers. Every engine the
+# tests start runs eager already (``enforce_eager``, ``--enforce-eager``).
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
-# ``run_engine`` forks its engine processes from a server that has imported vLLM once (ucm/testing/forkserver.py):
-# about half of a tiny engine's start. Set it to 0 to run every engine as a plain ``python -m ucm.testing.engine``.
+# ``run_engine`` forks its engine processes from a server that has imported vLLM once (ucm/testing/forkserver.py).
+# Set it to 0 to run every engine as a plain ``python -m ucm.testing.engine``.
 os.environ.setdefault("UCM_ENGINE_FORKSERVER", "1")
 
 

@@ -1,13 +1,13 @@
 """A fork server for :func:`ucm.testing.engine.run_engine`: one process imports vLLM once, then forks a fresh child
 for every engine run.
 
-Importing vLLM (with torch, inductor and transformers) is about half of a small engine's start on a 2-core machine,
-and the test suite starts an engine process well over a hundred times. The server imports what every engine child
-imports (``vllm``, ``vllm.LLM``, ``vllm.SamplingParams``) and nothing of UCM but :mod:`ucm.testing.engine` (stdlib
-only at import), then waits. For each run it forks; the child takes the run's environment, working directory,
-stdout and stderr, runs the spec like ``python -m ucm.testing.engine`` and ends with a normal interpreter exit
-(threads joined, ``atexit`` handlers run), so each run is still a new process in which nothing survives but files
-and the server's imports. UCM's plugin, connector and stores are imported in the child, after the fork.
+Importing vLLM (with torch, inductor and transformers) is a large share of a small engine's start, and the test suite
+starts many engine processes (figures: benchmarks/RESULTS.md, "Test suite duration"). The server imports what every
+engine child imports (``vllm``, ``vllm.LLM``, ``vllm.SamplingParams``) and nothing of UCM but :mod:`ucm.testing.engine`
+(stdlib only at import), then waits. For each run it forks; the child takes the run's environment, working directory,
+stdout and stderr, runs the spec like ``python -m ucm.testing.engine`` and ends with a normal interpreter exit (threads
+joined, ``atexit`` handlers run), so each run is still a new process in which nothing survives but files and the
+server's imports. UCM's plugin, connector and stores are imported in the child, after the fork.
 
 Import-time state must match:
 - A run forks from a server started with the same environment, where "the same" ignores :data:`LAZY_KEYS`
