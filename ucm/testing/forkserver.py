@@ -173,7 +173,6 @@ class ForkServer:
 
 _servers: list[ForkServer] = []
 _servers_lock = threading.Lock()
-_atexit_registered: list[bool] = []
 
 
 def enabled() -> bool:
@@ -192,9 +191,6 @@ def server_for(env: dict[str, str]) -> ForkServer | None:
                 return s if s.usable and s.proc.poll() is None else None
         if len(_servers) >= MAX_SERVERS:  # the least recently used goes (starting one costs about one plain run)
             _servers.pop(0).close()
-        if not _atexit_registered:
-            atexit.register(_close_all)
-            _atexit_registered.append(True)
         server = ForkServer(env)
         _servers.append(server)
         return server if server.usable else None
@@ -205,6 +201,9 @@ def _close_all() -> None:
         for s in _servers:
             s.close()
         _servers.clear()
+
+
+atexit.register(_close_all)
 
 
 def _serve(sock: socket.socket) -> dict[str, Any] | None:
