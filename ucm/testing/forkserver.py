@@ -176,6 +176,7 @@ _servers_lock = threading.Lock()
 
 
 def enabled() -> bool:
+    """Whether :func:`ucm.testing.engine.run_engine` forks its runs from a server (``UCM_ENGINE_FORKSERVER=1``)."""
     return os.environ.get(ENABLE_ENV) == "1"
 
 
