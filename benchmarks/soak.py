@@ -43,6 +43,11 @@ last restart, when it was restarted then), and the reference's, the baseline: vL
 at the end (the servers stopped). A PNG of hit rate and memory over time is written beside ``--out`` (or at
 ``--plot``).
 
+Memory. Each instance's DRAM tier is allocated and written in full at start by default (``cache_prefault_gb`` =
+``--dram-gb``; ``--prefault-gb`` sets less), as a deployment that watches its RSS sets it: otherwise the tier's slots
+beyond one request's blocks are allocated as the cache first fills, which shows as RSS growth of a freshly (re)started
+instance for as long as its tier takes to fill.
+
 Memory allocator (``--malloc``): vLLM's CPU guide preloads tcmalloc into every server (``LD_PRELOAD``); its wheel
 here ships none and vLLM warns at start. ``tcmalloc`` preloads Debian's ``libtcmalloc_minimal.so.4`` (package
 ``libtcmalloc-minimal4``; ``make setup`` installs it as root) into every server, the reference included; ``glibc``
@@ -101,11 +106,14 @@ class Instance:
     samples: list[dict[str, Any]] = field(default_factory=list)
 
 
-def ucm_config(store: Path, dram_gb: float, storage_gb: float, load_timeout_ms: int | None) -> dict[str, Any]:
+def ucm_config(
+    store: Path, dram_gb: float, storage_gb: float, load_timeout_ms: int | None, prefault_gb: float = 0.0
+) -> dict[str, Any]:
     store_cfg: dict[str, Any] = {
         "store_pipeline": "Cache|Posix",
         "storage_backends": str(store),
         "cache_buffer_capacity_gb": dram_gb,
+        "cache_prefault_gb": prefault_gb,
         "posix_capacity_gb": storage_gb,
     }
     config: dict[str, Any] = {"ucm_connectors": [{"ucm_connector_config": store_cfg}]}
@@ -121,7 +129,9 @@ class Fleet:
         self.args, self.model, self.work = args, model, work
         self.store = work / "store"
         self.store.mkdir(parents=True)
-        self.transfer = ucm_transfer_config(ucm_config(self.store, args.dram_gb, args.storage_gb, args.load_timeout_ms))
+        self.transfer = ucm_transfer_config(
+            ucm_config(self.store, args.dram_gb, args.storage_gb, args.load_timeout_ms, args.prefault_gb)
+        )
         self.env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gb)}
         if args.malloc == "tcmalloc":
             self.env["LD_PRELOAD"] = ":".join(p for p in (TCMALLOC, os.environ.get("LD_PRELOAD", "")) if p)
@@ -579,6 +589,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB) of every server")
     p.add_argument("--dram-gb", type=float, default=0.05, help="UCM's DRAM tier (cache_buffer_capacity_gb)")
+    p.add_argument(
+        "--prefault-gb", type=float, default=None,
+        help="UCM's cache_prefault_gb: DRAM tier paged in at start (None: all of --dram-gb; see 'Memory')",
+    )  # fmt: skip
     p.add_argument("--storage-gb", type=float, default=0.5, help="posix_capacity_gb of the shared store")
     p.add_argument("--load-timeout-ms", type=int, default=None, help="UCM's load_timeout_ms (None: its default)")
     p.add_argument("--faults", nargs="+", default=list(FAULTS), help=f"of {', '.join(FAULTS)}")
@@ -605,6 +619,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"the servers' allocator, of {', '.join(MALLOCS)} (auto: tcmalloc if installed)",
     )
     args = p.parse_args(argv)
+    if args.prefault_gb is None:
+        args.prefault_gb = args.dram_gb
+    if not 0 <= args.prefault_gb <= args.dram_gb:
+        p.error(f"--prefault-gb {args.prefault_gb}: allowed 0 .. --dram-gb ({args.dram_gb})")
     if args.malloc not in MALLOCS:
         p.error(f"--malloc {args.malloc}: unknown; allowed: {', '.join(MALLOCS)}")
     if args.malloc == "auto":

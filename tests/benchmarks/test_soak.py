@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.benchmarks import BENCHMARKS, load_script
+from ucm.config import UcmConfig
 from ucm.testing.models import ensure_tiny_llama
 
 SCRIPT = BENCHMARKS / "soak.py"
@@ -64,6 +65,17 @@ def test_bad_options_are_named(bench: ModuleType, capsys: Any) -> None:
         bench.parse_args(["--malloc", "jemalloc"])
     assert "--malloc jemalloc: unknown; allowed: auto, tcmalloc, glibc" in capsys.readouterr().err
     assert bench.parse_args([]).malloc in ("tcmalloc", "glibc")  # auto, resolved
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dram-gb", "0.2", "--prefault-gb", "0.5"])
+    assert "--prefault-gb 0.5: allowed 0 .. --dram-gb (0.2)" in capsys.readouterr().err
+
+
+def test_dram_tier_is_prefaulted_in_full_by_default(bench: ModuleType, tmp_path: Path) -> None:
+    args = bench.parse_args(["--dram-gb", "0.2"])
+    assert args.prefault_gb == 0.2
+    config = bench.ucm_config(tmp_path, args.dram_gb, 1.0, None, args.prefault_gb)
+    assert config["ucm_connectors"][0]["ucm_connector_config"]["cache_prefault_gb"] == 0.2
+    UcmConfig.model_validate(config)  # a config UCM accepts
 
 
 @pytest.mark.engine
