@@ -6,7 +6,8 @@ Run::
 
     .venv/bin/python benchmarks/blend_quality.py [--model smollm2|DIR] [--models-dir models] [--lengths 1536]
         [--docs 4] [--orders 3] [--questions Q] [--ratios 0,0.05,0.15,0.3,1] [--no-prefix-only]
-        [--chunk-end '<file_sep>'] [--check-layer model.layers.1.self_attn.attn] [--dtype float32]
+        [--chunk-end '<file_sep>'] [--check-layer model.layers.1.self_attn.attn] [--chunk-context none|first_chunk]
+        [--dtype float32]
         [--block-size 32] [--seed 0] [--work-dir DIR] [--out results.json]
 
 What runs: ``ucm.quality.blend.run_blend_quality`` (its module docstring: the modes, the store-primed pass, the
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefix-only", action="store_true", help="skip the prefix-caching-only mode")
     p.add_argument("--chunk-end", default=BLEND_CHUNK_END, help="chunk-end text (one token of the tokenizer)")
     p.add_argument("--check-layer", default=CHECK_LAYER, help="compute_meta's attention layer")
+    p.add_argument(
+        "--chunk-context", default="none", choices=("none", "first_chunk"), help="Blend's chunk_context"
+    )  # fmt: skip
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size (the store's unit)")
     p.add_argument("--seed", type=int, default=0)
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             questions=args.questions,
             chunk_end=args.chunk_end,
             check_layer=args.check_layer,
+            chunk_context=args.chunk_context,
             seed=args.seed,
             dtype=args.dtype,
             block_size=args.block_size,

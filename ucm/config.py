@@ -491,6 +491,14 @@ class BlendConfig(_Strict):
         "store it, so that later prompts find it in any position (false: such chunks are recomputed in place and "
         "not stored).",
     )
+    chunk_context: Literal["none", "first_chunk"] = Field(
+        "none",
+        description="What a chunk's stored KV is computed after: 'none': nothing (positions from 0, as if it began a "
+        "prompt; CacheBlend's way); 'first_chunk': the prompt's first chunk (its head: system prompt, instructions), "
+        "so that the chunk's tokens see the same leading tokens as in the prompt. Its blocks are then stored under "
+        "the keys of that head followed by the chunk (the prefix keys of a prompt that begins with both), and found "
+        "only after the same head.",
+    )
 
     @field_validator("compute_meta")
     @classmethod

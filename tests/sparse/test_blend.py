@@ -25,6 +25,7 @@ def test_blend_section_defaults() -> None:
     cfg = parse_config({"ucm_sparse_config": {"Blend": {"chunk_end_token_id": 5}}}).ucm_sparse_config
     assert cfg is not None and cfg.method == "Blend" and cfg.Blend is not None
     assert (cfg.Blend.check_layer, cfg.Blend.ratio, cfg.Blend.store_chunks) == (1, 0.15, True)
+    assert cfg.Blend.chunk_context == "none"
     upstream = {"chunk_end_token_id": 5, "compute_meta": {"model.layers.3.self_attn.attn": {"ratio": 1}}}
     cfg = parse_config({"ucm_sparse_config": {"Blend": upstream}}).ucm_sparse_config
     assert cfg is not None and cfg.Blend is not None and (cfg.Blend.check_layer, cfg.Blend.ratio) == (3, 1.0)
@@ -51,6 +52,10 @@ def test_blend_section_defaults() -> None:
             {"chunk_end_token_id": 5, "compute_meta": {"model.layers.1.self_attn.attn": {"ration": 0.1}}},
             "unknown key 'ration' in ucm_sparse_config.Blend.compute_meta.model.layers.1.self_attn.attn; valid keys: "
             "ratio",
+        ),
+        (
+            {"chunk_end_token_id": 5, "chunk_context": "head"},
+            "ucm_sparse_config.Blend.chunk_context: Input should be 'none' or 'first_chunk'",
         ),
         ({"chunk_end_token_id": 5, "chunk_end": 1}, "unknown key 'chunk_end' in ucm_sparse_config.Blend; valid keys: "),
     ],

@@ -1,6 +1,7 @@
 """CacheBlend through the real engine (CPU build), the real connector and a real store on disk: chunks ended by
 ``<file_sep>`` (token id 5 of SmolLM2's tokenizer) are computed on their own and stored the first time, then reused
-in any order, in the same process and after a restart; ``ratio: 1`` gives the full prefill's output, ``ratio: 0``
+in any order, in the same process and after a restart, also computed after the prompt's first chunk
+(``chunk_context: first_chunk``); ``ratio: 1`` gives the full prefill's output, ``ratio: 0``
 really reuses stored KV (its output moves away from the full prefill's); a damaged chunk block is a miss that vLLM
 recomputes exactly. A random-weight 4-layer Llama (float32), so that the only differences are the blend's."""
 
@@ -25,7 +26,7 @@ def _prompt(docs: list[str], order: tuple[int, ...]) -> str:
     return "".join(docs[i] + SEP for i in order) + QUESTION
 
 
-def _config(store: Path, ratio: float, pipeline: str = "Cache|Posix") -> dict:
+def _config(store: Path, ratio: float, pipeline: str = "Cache|Posix", **blend: str) -> dict:
     return {
         "ucm_connectors": [
             {
@@ -34,12 +35,17 @@ def _config(store: Path, ratio: float, pipeline: str = "Cache|Posix") -> dict:
             }
         ],
         "ucm_sparse_config": {
-            "Blend": {"chunk_end_token_id": SEP_ID, "compute_meta": {"model.layers.1.self_attn.attn": {"ratio": ratio}}}
+            "Blend": {
+                "chunk_end_token_id": SEP_ID,
+                "compute_meta": {"model.layers.1.self_attn.attn": {"ratio": ratio}},
+                **blend,
+            }
         },
     }
 
 
 ORDERS = [(0, 1, 2), (2, 0, 1), (1, 2, 0), (0, 2, 1)]
+HEAD = "Below are some texts, each ended by a marker.\n" + SEP  # a first chunk shared by every prompt
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +58,8 @@ def runs(tmp_path_factory) -> dict:
     text = real_text()
     docs = [text[i * 1100 : (i + 1) * 1100] for i in range(3)]
     prompts = [_prompt(docs, order) for order in ORDERS]
+    # chunk_context 'first_chunk': the head, then the documents in two orders, then the head and one document
+    prompts += [HEAD + _prompt(docs, (0, 1, 2)), HEAD + _prompt(docs, (2, 0, 1)), HEAD + _prompt(docs, (1,))]
     base = {"model": str(model), "dtype": "float32", "max_model_len": 4096, "kvcache_gib": 1}
 
     def spec(connector: dict | None, idx: list[int], before: dict[int, str] | None = None) -> dict:
@@ -61,13 +69,23 @@ def runs(tmp_path_factory) -> dict:
         ]
         return {**base, "connector": connector, "requests": reqs}
 
-    full, _ = run_engine(spec(None, [0, 1, 2, 3]))
+    full, _ = run_engine(spec(None, [0, 1, 2, 3, 4, 5, 6]))
     exact, exact_log = run_engine(spec(ucm_transfer_config(_config(store, 1.0)), [0, 1]))
+    after_head = ucm_transfer_config(_config(work / "store-head", 1.0, chunk_context="first_chunk"))
+    head, head_log = run_engine(spec(after_head, [4, 5, 6]))
     # A restart on the same store, Posix only (every chunk read from its files): ratio 0, then every block file
     # damaged before the last request.
     damage = f"find {store} -type f -name '*.ucmb' -exec truncate -s 64 {{}} +"
     reused, reused_log = run_engine(spec(ucm_transfer_config(_config(store, 0.0, "Posix")), [2, 3], before={3: damage}))
-    return {"full": full, "exact": exact, "exact_log": exact_log, "reused": reused, "reused_log": reused_log}
+    return {
+        "full": full,
+        "exact": exact,
+        "exact_log": exact_log,
+        "reused": reused,
+        "reused_log": reused_log,
+        "head": head,
+        "head_log": head_log,
+    }
 
 
 def _blends(log: str) -> list[tuple[int, ...]]:
@@ -107,3 +125,18 @@ def test_damaged_chunk_blocks_are_recomputed_exactly(runs) -> None:
     assert "failed to load" in runs["reused_log"]
     got, want = runs["reused"][1], runs["full"][3]
     assert got.token_ids == want.token_ids and _max_diff(got, want) < 1e-4
+
+
+def test_chunks_after_the_first_chunk_share_the_prefix_keys(runs) -> None:
+    """``chunk_context: first_chunk``: each document is computed after the head and stored under the keys of
+    head + document, which are a prompt's prefix keys: the reordered prompt's first document and the prompt made of
+    the head and one document are ordinary prefix hits; at ratio 1 every output is the full prefill's."""
+    first, shuffled = _blends(runs["head_log"])[:2]
+    # 4 chunks; each document computed after the head and stored (the head, shorter than a block, has no stored KV)
+    assert first[0] == 0 and first[2] == 4 and first[4] == 3
+    assert shuffled[4] == 0 and shuffled[3] > 0  # nothing computed: every document from the store
+    reordered, one_doc = runs["head"][1], runs["head"][2]
+    assert reordered.hit_external >= 1 and one_doc.hit_external >= 1
+    for got, want in zip(runs["head"], runs["full"][4:], strict=True):
+        assert got.token_ids == want.token_ids
+        assert _max_diff(got, want) < 1e-4

@@ -101,9 +101,11 @@ def chunk_end_token_id(tokenizer: Tokenizer, chunk_end: str) -> int:
     return int(ids[0])
 
 
-def ucm_config(mode: Mode, chunk_end_id: int, check_layer: str = CHECK_LAYER) -> dict[str, Any]:
+def ucm_config(
+    mode: Mode, chunk_end_id: int, check_layer: str = CHECK_LAYER, chunk_context: str = "none"
+) -> dict[str, Any]:
     """The UCM YAML of a UCM mode: ``Cache|Posix`` (its store directory set per run by ``harness.run_ucm``), plus
-    ``ucm_sparse_config.Blend`` at ``mode.ratio`` unless it is None.
+    ``ucm_sparse_config.Blend`` at ``mode.ratio`` (and ``chunk_context``) unless the ratio is None.
 
     Raises:
         ValueError: ``mode`` is not a UCM mode.
@@ -120,7 +122,11 @@ def ucm_config(mode: Mode, chunk_end_id: int, check_layer: str = CHECK_LAYER) ->
     }
     if mode.ratio is not None:
         config["ucm_sparse_config"] = {
-            "Blend": {"chunk_end_token_id": chunk_end_id, "compute_meta": {check_layer: {"ratio": mode.ratio}}}
+            "Blend": {
+                "chunk_end_token_id": chunk_end_id,
+                "compute_meta": {check_layer: {"ratio": mode.ratio}},
+                "chunk_context": chunk_context,
+            }
         }
     return config
 
@@ -184,6 +190,7 @@ def run_blend_quality(
     questions: int | None = None,
     chunk_end: str = BLEND_CHUNK_END,
     check_layer: str = CHECK_LAYER,
+    chunk_context: str = "none",
     seed: int = 0,
     dtype: str = "float32",
     block_size: int | None = 32,
@@ -198,6 +205,7 @@ def run_blend_quality(
         model_dir: a model vLLM serves whose tokenizer has ``chunk_end`` as one token.
         lengths, num_docs, orders, questions, chunk_end, seed: the items (``tasks.blend_items``).
         check_layer: ``compute_meta``'s attention layer.
+        chunk_context: ``Blend.chunk_context`` (``none`` or ``first_chunk``: the prompt's intro).
         dtype: the engines' dtype (float32 by default: ratio 1 then reproduces full prefill to float rounding,
             so differences are the blend's, not bf16's summation orders).
         block_size: vLLM's KV block size (the store's unit: a chunk's last partial block is always recomputed, so
@@ -254,7 +262,7 @@ def run_blend_quality(
                 base = base or run
             else:
                 config = work / f"{mode.name}.yaml"
-                config.write_text(yaml.safe_dump(ucm_config(mode, end_id, check_layer), sort_keys=False))
+                config.write_text(yaml.safe_dump(ucm_config(mode, end_id, check_layer, chunk_context), sort_keys=False))
                 primed, stderr = run_ucm(
                     first + items, spec, config, work, tag=mode.name, kvcache_gib=kvcache_gib, timeout_s=timeout_s
                 )
@@ -283,6 +291,7 @@ def run_blend_quality(
         "chunk_end": chunk_end,
         "chunk_end_token_id": end_id,
         "check_layer": check_layer,
+        "chunk_context": chunk_context,
         "seed": seed,
         "num_prompts": len(items),
         "num_primers": len(first),

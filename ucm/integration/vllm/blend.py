@@ -19,7 +19,10 @@ The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
    chunk, anywhere, is found again). Found blocks are loaded; a chunk the store lacks is computed on its own
    (positions from 0, through the model's layers) and stored under those keys (``store_chunks``). Its keys,
    rotated for positions ``0..``, are re-rotated by ``s`` to their positions in this prompt (the RoPE delta,
-   ``ucm.kernels.blend.rope_delta_``).
+   ``ucm.kernels.blend.rope_delta_``). With ``chunk_context: first_chunk`` every later chunk is taken as the
+   prompt's first chunk ``[0, h)`` (its head) followed by the chunk: looked up under the keys of those tokens,
+   computed after the head (the chunk at positions ``h..``), and re-rotated by ``s - h``; only the blocks from the
+   one holding token ``h`` on are loaded.
 2. The run's stored KV of the layers after the ``compute_meta`` one (up to it every run token is recomputed) is
    written into the request's slots of vLLM's paged cache with vLLM's own cache writer (so
    every CPU kernel variant's layout, ``vec``, ``vec16`` and ``amx``, is written as vLLM writes it); tokens without
@@ -345,6 +348,8 @@ class Blender:
             self._cfg.ratio,
             "computed on their own and stored" if self._cfg.store_chunks else "recomputed in place, not stored",
         )
+        if self._cfg.chunk_context == "first_chunk":
+            logger.info("CacheBlend: each chunk's KV is computed and looked up after the prompt's first chunk")
 
     def blend(self, t: BlendTransfer) -> None:
         """Fill tokens ``[t.start, t.end)`` of request ``t.req_id`` into its blocks of the paged KV (see the module
@@ -361,21 +366,25 @@ class Blender:
         kv = torch.zeros((num_layers, 2, n, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
         stored = torch.zeros(n, dtype=torch.bool)
         reused = computed = 0
+        # With chunk_context 'first_chunk', each later chunk's KV is that of the head (the first chunk) followed by
+        # the chunk: its tokens were at positions head.. there.
+        head = t.spans[0][1] if self._cfg.chunk_context == "first_chunk" and t.spans else 0
         for s, e in t.spans:
             if e <= start:
                 continue
-            chunk, was_computed = self._chunk_kv(t.seed, t.token_ids[s:e])
+            ctx = head if s >= head else 0
+            chunk, was_computed = self._chunk_kv(t.seed, t.token_ids[:ctx] + t.token_ids[s:e], ctx)
             computed += was_computed
             lo, hi = max(start, s), min(e, s + chunk.shape[2])
             if hi <= lo:
                 continue
             part = chunk[:, :, lo - s : hi - s].contiguous()
-            if s:  # keys cached at chunk positions 0.. move to s..: rotate them by s
+            if s != ctx:  # keys cached at positions ctx.. move to s..: rotate them by s - ctx
                 keys = part[:, 0].reshape(-1, spec.num_kv_heads, spec.head_dim)  # a copy: part[:, 0] is strided
                 assert self._rope is not None
                 rope_delta_(
                     keys,
-                    torch.full((keys.shape[0],), s, dtype=torch.int64),
+                    torch.full((keys.shape[0],), s - ctx, dtype=torch.int64),
                     rotary_dim=self._rope.rotary_dim,
                     base=self._rope.base,
                     neox=self._rope.neox,
@@ -412,10 +421,12 @@ class Blender:
             (time.perf_counter() - t1) * 1e3,
         )
 
-    def _chunk_kv(self, seed: bytes, tokens: list[int]) -> tuple[torch.Tensor, bool]:
-        """A chunk's stored KV, keys at chunk positions ``0..``: ``[num_layers, 2, m, num_kv_heads, head_dim]`` for
-        its first ``m`` tokens, and whether it was computed here (and stored) rather than loaded. ``m``: the tokens of
-        its leading stored blocks, or all its tokens when computed."""
+    def _chunk_kv(self, seed: bytes, tokens: list[int], skip: int = 0) -> tuple[torch.Tensor, bool]:
+        """The stored KV of ``tokens`` (a chunk, after ``skip`` tokens of context: the prompt's head, or none) from
+        token ``skip`` on, keys at their positions in ``tokens``: ``[num_layers, 2, m, num_kv_heads, head_dim]`` for
+        tokens ``skip .. skip + m``, and whether it was computed here (and stored) rather than loaded. ``m``: up to
+        the end of the leading stored blocks (0 if they end before ``skip``), or to the end when computed. Only the
+        blocks from the one holding token ``skip`` on are loaded."""
         spec, bs = self._spec, self._spec.block_size
         keys = rank_keys(block_keys(seed, tokens, bs), 0, 1)
         found = self._store.lookup(keys) if keys else 0
@@ -436,16 +447,21 @@ class Blender:
             result = self._store.dump(missing, rows).result(self._timeout_s)
             if result.failed:
                 logger.warning("blend: %d of %d chunk blocks failed to store", len(result.failed), len(missing))
-            return kv, True
-        if not found:
+            return kv[:, :, skip:], True
+        first = skip // bs  # the block holding token `skip`: the head's earlier blocks are not needed
+        if found <= first:
             return torch.empty((len(self._layers), 2, 0, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype), False
-        staging = torch.empty((found, len(self._layers), 2, bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
-        result = self._store.load(keys[:found], staging.view(torch.uint8).view(found, -1)).result(self._timeout_s)
+        n = found - first
+        staging = torch.empty((n, len(self._layers), 2, bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+        result = self._store.load(keys[first:found], staging.view(torch.uint8).view(n, -1)).result(self._timeout_s)
         if result.failed:  # a damaged or vanished block: the chunk's stored KV ends before it
-            found = min(result.failed)
-        return staging[:found].permute(1, 2, 0, 3, 4, 5).reshape(
-            len(self._layers), 2, found * bs, spec.num_kv_heads, spec.head_dim
-        ), False
+            n = min(result.failed)
+        rows = (
+            staging[:n]
+            .permute(1, 2, 0, 3, 4, 5)
+            .reshape(len(self._layers), 2, n * bs, spec.num_kv_heads, spec.head_dim)
+        )
+        return rows[:, :, skip - first * bs :], False
 
     def _run_layers(
         self,
