@@ -16,8 +16,9 @@ prompt then finds its documents in the store, in whatever order it holds them: t
 pass, at the cost of one prompt per length instead of a second pass. For Blend the report checks it from UCM's
 per-blend log line (``chunks_computed`` must be 0 over the scored prompts).
 
-The Blend config: ``{chunk_end_token_id: <the chunk-end text's token>, compute_meta: {<check_layer>: {ratio: r}}}``
-(:func:`ucm_config`); the chunk-end text must be exactly one token of the model's tokenizer
+The Blend config: ``{chunk_end_token_id: <the chunk-end text's token>, compute_meta: {<check_layer>: {ratio: r}},
+chunk_context: <none or first_chunk>}`` (:func:`ucm_config`); with ``first_chunk`` each document is computed after the
+prompt's intro, which is the same in every item. The chunk-end text must be exactly one token of the model's tokenizer
 (:func:`chunk_end_token_id`).
 """
 
