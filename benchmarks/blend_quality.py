@@ -30,13 +30,14 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info  # noqa: E402
+from ucm.config import ChunkContext  # noqa: E402
 from ucm.quality.blend import CHECK_LAYER, RATIOS, modes, run_blend_quality  # noqa: E402
 from ucm.quality.harness import DTYPES  # noqa: E402
 from ucm.quality.tasks import BLEND_CHUNK_END, NUM_DOCS  # noqa: E402
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-end", default=BLEND_CHUNK_END, help="chunk-end text (one token of the tokenizer)")
     p.add_argument("--check-layer", default=CHECK_LAYER, help="compute_meta's attention layer")
     p.add_argument(
-        "--chunk-context", default="none", choices=("none", "first_chunk"), help="Blend's chunk_context"
+        "--chunk-context", default="none", choices=get_args(ChunkContext), help="Blend's chunk_context"
     )  # fmt: skip
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size (the store's unit)")

@@ -107,7 +107,7 @@ class Instance:
 
 
 def ucm_config(
-    store: Path, dram_gb: float, storage_gb: float, load_timeout_ms: int | None, prefault_gb: float = 0.0
+    store: Path, dram_gb: float, storage_gb: float, load_timeout_ms: int | None, prefault_gb: float
 ) -> dict[str, Any]:
     store_cfg: dict[str, Any] = {
         "store_pipeline": "Cache|Posix",

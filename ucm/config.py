@@ -469,6 +469,7 @@ class BlendLayerConfig(_Strict):
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
+ChunkContext = Literal["none", "first_chunk"]  # BlendConfig.chunk_context's values
 BLEND_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
 
 
@@ -491,7 +492,7 @@ class BlendConfig(_Strict):
         "store it, so that later prompts find it in any position (false: such chunks are recomputed in place and "
         "not stored).",
     )
-    chunk_context: Literal["none", "first_chunk"] = Field(
+    chunk_context: ChunkContext = Field(
         "none",
         description="What a chunk's stored KV is computed after: 'none': nothing (positions from 0, as if it began a "
         "prompt; CacheBlend's way); 'first_chunk': the prompt's first chunk (its head: system prompt, instructions), "

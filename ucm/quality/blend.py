@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from ucm.config import ChunkContext
 from ucm.quality.harness import (
     DTYPES,
     RunOutput,
@@ -103,7 +104,7 @@ def chunk_end_token_id(tokenizer: Tokenizer, chunk_end: str) -> int:
 
 
 def ucm_config(
-    mode: Mode, chunk_end_id: int, check_layer: str = CHECK_LAYER, chunk_context: str = "none"
+    mode: Mode, chunk_end_id: int, check_layer: str = CHECK_LAYER, chunk_context: ChunkContext = "none"
 ) -> dict[str, Any]:
     """The UCM YAML of a UCM mode: ``Cache|Posix`` (its store directory set per run by ``harness.run_ucm``), plus
     ``ucm_sparse_config.Blend`` at ``mode.ratio`` (and ``chunk_context``) unless the ratio is None.
@@ -191,7 +192,7 @@ def run_blend_quality(
     questions: int | None = None,
     chunk_end: str = BLEND_CHUNK_END,
     check_layer: str = CHECK_LAYER,
-    chunk_context: str = "none",
+    chunk_context: ChunkContext = "none",
     seed: int = 0,
     dtype: str = "float32",
     block_size: int | None = 32,
