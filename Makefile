@@ -61,8 +61,8 @@ bench: setup
 # One hour of concurrent load with faults on two UCM instances sharing a store (issue 37's soak; root for its
 # read-only-remount fault). The last line printed is the JSON summary; the PNG goes beside soak.json.
 soak: setup
-	# The hour in benchmarks/RESULTS.md ("Soak"): kills in the first 25 minutes only, so the RSS of the last 30 is
-	# that of processes already warm.
+	# The hour in benchmarks/RESULTS.md ("Soak"): kills in the first 25 minutes only, so no server restarts inside the
+	# half whose RSS growth is measured (a restarted one still warms up there: see RESULTS.md).
 	$(PY) benchmarks/soak.py --models-dir $(MODELS_DIR) --duration-s 3600 --concurrency 16 --max-model-len 2048 \
 		--max-tokens 12 --dram-gb 0.2 --storage-gb 1.0 --fault-interval-s 5 --kill-interval-s 600 --kill-until-s 1500 \
 		--sample-interval-s 30 --out soak.json
