@@ -101,6 +101,28 @@ def test_matches_the_oracle(layout: KVLayout, dtype: torch.dtype, case: tuple) -
         )
 
 
+@pytest.mark.parametrize("leaky", [math.inf, 2.0])
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_query_chunks_read_only_their_band_and_causal_keys(
+    monkeypatch: pytest.MonkeyPatch, window: int, leaky: float
+) -> None:
+    """Chunks of 8 queries (as a long prefill is scored in chunks of QUERY_CHUNK): the near band, the far keys and
+    the keys both near and far for some of a chunk's queries (a window above, at and below the chunk size) give the
+    oracle's result, for a whole prefill, a chunked prefill and a decode in one step."""
+    import ucm.kernels.rerope.torch as rerope_torch
+
+    monkeypatch.setattr(rerope_torch, "QUERY_CHUNK", 8)
+    step = paged_step(torch.float32, KVLayout.CPU_ATTN, [61, 70, 45], [61, 21, 1], neox=True, rotary_dim=D)
+    got = rerope_paged_attention(
+        step["query"], step["cache"], KVLayout.CPU_ATTN, step["block_table"], step["seq_lens"],
+        step["query_start_loc"], window=window, leaky_factor=leaky, base=BASE,
+    )  # fmt: skip
+    starts = step["query_start_loc"].tolist()
+    for r, (q_pre, k_pre, v, q_pos, k_pos) in enumerate(step["requests"]):
+        want = rerope_attention_reference(q_pre, k_pre, v, q_pos, k_pos, window=window, leaky_factor=leaky, base=BASE)
+        torch.testing.assert_close(got[starts[r] : starts[r + 1]].double(), want, atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize(("neox", "rotary_dim"), [(False, D), (True, D // 2)])
 def test_gptj_rotation_and_partial_rotary_dim(neox: bool, rotary_dim: int) -> None:
     step = paged_step(torch.float32, KVLayout.CPU_ATTN, [50], [50], neox=neox, rotary_dim=rotary_dim)

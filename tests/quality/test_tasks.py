@@ -105,11 +105,17 @@ def test_recall_suite_on_shipped_tokenizer():
     tok = AutoTokenizer.from_pretrained(str(RECALL_MODEL_DIR))
     spec = RecallSpec.load(RECALL_MODEL_DIR)
     items = recall_suite(spec, [spec.train_len, 2 * spec.train_len], short=True, seed=0)
+    assert [it.length for it in items if it.is_perplexity] == [spec.train_len, 2 * spec.train_len]
     for it in items:
         ids = tok.encode(it.prompt)
         assert ids[0] == tok.bos_token_id and tok.unk_token_id not in ids
-        if it.is_perplexity:  # a whole training sequence
-            assert len(ids) == spec.train_len
+        if it.is_perplexity:  # a whole training-format sequence, one token short of its length
+            assert len(ids) == it.length - 1
+            # the scored tokens are the queries' answers: prompt_logprobs[i] is token i + 1, the word after "? kNN"
+            assert it.scored_tokens is not None and len(it.scored_tokens) == spec.num_queries
+            words = it.prompt.split()
+            assert all(words[i - 2] == "?" and words[i].startswith("v") for i in it.scored_tokens)
+            assert all(ids[i + 1] == tok.convert_tokens_to_ids(words[i]) for i in it.scored_tokens)
         else:
             assert len(ids) == spec.haystack_len(it.length) + 3  # BOS, haystack, "? kNN"
 
@@ -186,6 +192,12 @@ def test_compare_counts_mismatches_and_logprob_drift():
     assert summary["f1"]["recall"] == {"8": 1.0, "all": 1.0}
     assert summary["accuracy_by_depth"] == {}  # the item has no depth
     assert summary["perplexity"] == pytest.approx(2.718281828**2.75, rel=1e-6)
+    assert summary["perplexity_by_length"] == {"8": pytest.approx(2.718281828**2.75, rel=1e-6)}
+    longer = EvalItem("ppl16", "perplexity", 16, "p", None, 1)
+    by_length = summarize([*items, longer], [*other, _res([9], [-1.0], prompt_lps=[-1.0])])["perplexity_by_length"]
+    assert by_length == {"8": pytest.approx(2.718281828**2.75, rel=1e-6), "16": pytest.approx(2.718281828)}
+    picked = EvalItem("ppl", "perplexity", 8, "p", None, 1, scored_tokens=(1,))  # token 2 only: log-prob -3.0
+    assert summarize([picked], [other[1]])["perplexity"] == pytest.approx(2.718281828**3, rel=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,8 @@ def _lines(report: dict[str, Any]) -> list[str]:
                 cells_text = " ".join(f"{k}:{v:.2f}" for k, v in cells.items())
                 out.append(f"{name:5s} {task:9s} {metric:8s} {cells_text}")
         if run["perplexity"] is not None:
-            out.append(f"{name:5s} perplexity {run['perplexity']:.3f}")
+            by_length = " ".join(f"{k}:{v:.3f}" for k, v in run["perplexity_by_length"].items())
+            out.append(f"{name:5s} perplexity {run['perplexity']:.3f} (by length {by_length})")
         if "vs_dense" in run:
             v = run["vs_dense"]
             out.append(

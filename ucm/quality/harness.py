@@ -25,7 +25,9 @@ Metrics per run (see :func:`summarize` and :func:`compare`):
 - ``f1[task][length]``: mean token F1 of the answers (``tasks.answer_f1``: SQuAD's F1 of the rest of the prompt's
   last sentence against the gold answer; recall: of the first word), per task also ``all``;
 - ``perplexity``: exp of the mean negative log-prob of the held-out tokens (teacher forced through
-  ``prompt_logprobs``; vLLM computes every prompt token of such requests, so a prefix cache never serves them);
+  ``prompt_logprobs``; vLLM computes every prompt token of such requests, so a prefix cache never serves them; an
+  item's ``scored_tokens`` picks the tokens scored: the recall suite's answer tokens);
+  ``perplexity_by_length[length]``: the same over the perplexity items of one length;
 - against the baseline: ``exact_match_rate`` (fraction of prompts whose generated token ids are identical),
   ``token_match_rate``, ``mean_abs_logprob_diff`` / ``max_abs_logprob_diff`` of the baseline's generated tokens over
   the positions where both runs saw the same context (the common prefix of the two generations and the first
@@ -148,16 +150,22 @@ def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, 
     Returns:
         ``{"accuracy": {task: {str(length): fraction, "all": fraction}}, "f1": {task: {str(length): mean F1, "all":
         mean F1}}, "accuracy_by_depth": {task: {"<length>@<depth>": fraction}}, "correct": {item id: bool},
-        "perplexity": float | None, "answers": {item id: generated text}}``.
+        "perplexity": float | None, "perplexity_by_length": {str(length): float}, "answers": {item id: generated
+        text}}``.
     """
     by_cell: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     f1_cell: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     by_depth: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     correct: dict[str, bool] = {}
     nll: list[float] = []
+    nll_by_length: dict[str, list[float]] = defaultdict(list)
     for it, res in zip(items, results, strict=True):
         if it.is_perplexity:
-            nll += [-lp for lp in res.prompt_logprobs]
+            scored = res.prompt_logprobs
+            if it.scored_tokens is not None:
+                scored = [res.prompt_logprobs[i] for i in it.scored_tokens]
+            nll += [-lp for lp in scored]
+            nll_by_length[str(it.length)] += [-lp for lp in scored]
             continue
         ok = is_correct(it, res.text)
         correct[it.id] = ok
@@ -170,6 +178,7 @@ def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, 
         "f1": _cell_means(f1_cell),
         "accuracy_by_depth": {t: {k: sum(v) / len(v) for k, v in cells.items()} for t, cells in by_depth.items()},
         "perplexity": math.exp(sum(nll) / len(nll)) if nll else None,
+        "perplexity_by_length": {k: math.exp(sum(v) / len(v)) for k, v in nll_by_length.items() if v},
         "correct": correct,
         "answers": {it.id: res.text for it, res in zip(items, results, strict=True) if not it.is_perplexity},
     }

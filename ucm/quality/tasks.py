@@ -101,6 +101,8 @@ class EvalItem:
         max_tokens: tokens to generate (greedy); 1 for perplexity items.
         depth: relative needle depth in [0, 1] (blend: the asked document's position, first 0, last 1); None where
             it does not apply.
+        scored_tokens: perplexity items only: the prompt tokens scored, as indices into the request's
+            ``prompt_logprobs`` (index ``i`` is prompt token ``i + 1``); None: every token after the first.
     """
 
     id: str
@@ -110,6 +112,7 @@ class EvalItem:
     answer: str | None
     max_tokens: int
     depth: float | None = None
+    scored_tokens: tuple[int, ...] | None = None
 
     @property
     def is_perplexity(self) -> bool:
@@ -442,9 +445,14 @@ def _relabel(item: EvalItem, length: int) -> EvalItem:
 
 
 def recall_suite(spec: RecallSpec, lengths: Sequence[int], short: bool, seed: int) -> list[EvalItem]:
-    """The ``recall`` suite: ``per_cell`` single-query prompts per (length, depth), plus perplexity sequences.
+    """The ``recall`` suite: ``per_cell`` single-query prompts per (length, depth), plus perplexity sequences at
+    every length.
 
-    Full: 4 prompts per cell at 5 depths; short: 2 per cell at 3 depths.
+    Full: 4 prompts per cell at 5 depths, 2 perplexity sequences per length; short: 2 per cell at 3 depths, 1
+    sequence per length. A perplexity sequence is a held-out sequence of the training distribution (all
+    ``num_queries`` queries answered) of ``length - 1`` tokens, so that it fits a context of ``length`` with the
+    one token its request generates. Only its answer tokens are scored (``scored_tokens``): the model was trained on
+    those alone, and the filler words are uniform random, so their log-probs say nothing about recall.
     """
     depths = SHORT_DEPTHS if short else DEPTHS
     per_cell = 2 if short else 4
@@ -466,12 +474,22 @@ def recall_suite(spec: RecallSpec, lengths: Sequence[int], short: bool, seed: in
                         depth=depth,
                     )
                 )
-    for k in range(1 if short else 2):
-        rng = seeded_rng(f"{seed}-recall-perplexity-{k}")
-        ex = make_example(spec, rng, spec.haystack_len(spec.train_len), spec.num_queries)
-        items.append(
-            EvalItem(f"perplexity-L{spec.train_len}-{k}", "perplexity", spec.train_len, " ".join(ex.words), None, 1)
-        )
+    for length in lengths:
+        for k in range(1 if short else 2):
+            rng = seeded_rng(f"{seed}-recall-perplexity-{length}-{k}")
+            ex = make_example(spec, rng, spec.haystack_len(length) - 1, spec.num_queries)
+            # word i is prompt token i + 1 (after BOS), whose log-prob is prompt_logprobs[i]
+            items.append(
+                EvalItem(
+                    f"perplexity-L{length}-{k}",
+                    "perplexity",
+                    length,
+                    " ".join(ex.words),
+                    None,
+                    1,
+                    scored_tokens=tuple(ex.answer_positions),
+                )
+            )
     return items
 
 

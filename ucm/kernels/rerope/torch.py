@@ -11,9 +11,13 @@ position ``i`` and a key at position ``j`` with ``d = i - j >= window``, the sco
   leaky_factor + i / leaky_factor - i``, so that ``a_i + i - (b_j + j) = r`` (plain ReRoPE: ``b_j = -j``, the key
   back at position 0, and ``a_i = window - i``).
 
-The two score matrices are merged by the mask ``d < window`` before one softmax. Rotation angles are computed in
-float64 (positions times inverse frequencies reach thousands of radians), the rotated vectors, scores and softmax in
-float32, the output in the query's dtype.
+The two score matrices are merged by the mask ``d < window`` before one softmax. Queries are scored in chunks of
+:data:`QUERY_CHUNK`; a chunk whose last query is at position ``p`` reads only keys ``0..p`` (causal), the near
+scores only over the band of keys within ``window`` of one of its queries, and the far scores only over the keys at
+least ``window`` before its last query, so a prefill does about half the score work of the full square and a decode
+step scores ``window`` near keys instead of all of them. Rotation angles are computed in float64 (positions times
+inverse frequencies reach thousands of radians), the rotated vectors, scores and softmax in float32, the output in
+the query's dtype.
 
 Layouts: the CPU kernel variants' ``KVLayout.CPU_ATTN`` (``vec``, ``vec16``) and ``KVLayout.CPU_ATTN_AMX`` (``amx``),
 read through ``ucm.kernels.layouts.cpu_attn_kv_views`` (gathered per request into canonical ``[tokens,
@@ -174,24 +178,41 @@ def rerope_paged_attention(
             continue
         seq_len = int(seq_lens[r])
         keys, values = _request_kv(k, v, block_table[r], seq_len, geometry)  # [L, Hkv, D]
-        k_pos = torch.arange(seq_len, dtype=torch.float64)
         far_keys = None
-        if seq_len - 1 >= window:  # some query-key distance reaches the window
-            far_keys = rotate_with(keys, *_KEY_ANGLES.get(seq_len, rotary_dim, base, inv_k), rotary_dim, neox)
+        if seq_len - 1 >= window:  # some query-key distance reaches the window: keys 0..L-1-window are far for one
+            n_far = seq_len - window
+            cos, sin = _KEY_ANGLES.get(n_far, rotary_dim, base, inv_k)
+            far_keys = rotate_with(keys[:n_far], cos, sin, rotary_dim, neox)
         for c0 in range(q0, q1, QUERY_CHUNK):
             c1 = min(q1, c0 + QUERY_CHUNK)
             n = c1 - c0
-            q_pos = torch.arange(seq_len - (q1 - c0), seq_len - (q1 - c1), dtype=torch.float64)
+            p0, p1 = seq_len - (q1 - c0), seq_len - (q1 - c1)  # the chunk's query positions: p0 .. p1 - 1
+            q_pos = torch.arange(p0, p1, dtype=torch.float64)
+            # Keys 0..p1-1 (causal); near: band_start..p1-1 (distance < window for some query); far: 0..far_end-1
+            # (distance >= window for some query). Between band_start and far_end a key is near for some queries and
+            # far for others.
+            band_start, far_end = max(0, p0 - window + 1), max(0, p1 - window)
             # Grouped-query heads: query head h reads KV head h // group.
             q = query[c0:c1].to(torch.float32).view(n, num_kv_heads, group, head_dim)
-            scores = torch.einsum("qhgd,khd->hgqk", q, keys)  # [Hkv, G, n, L]
-            d = q_pos[:, None] - k_pos[None, :]  # [n, L]
-            if far_keys is not None:
+            near = torch.einsum("qhgd,khd->hgqk", q, keys[band_start:p1])  # [Hkv, G, n, p1 - band_start]
+            if far_end == 0:
+                scores = near
+            else:
+                assert far_keys is not None
                 q_far = rotate_by(query[c0:c1], window * (1 - inv_k) + q_pos * inv_k - q_pos, rotary_dim, base, neox)
-                far = torch.einsum("qhgd,khd->hgqk", q_far.view(n, num_kv_heads, group, head_dim), far_keys)
-                scores = torch.where(d < window, scores, far)
-            scores = (scores * scale).masked_fill(d < 0, float("-inf"))
+                far = torch.einsum("qhgd,khd->hgqk", q_far.view(n, num_kv_heads, group, head_dim), far_keys[:far_end])
+                scores = torch.empty((num_kv_heads, group, n, p1), dtype=torch.float32)
+                scores[..., :band_start] = far[..., :band_start]
+                scores[..., band_start:] = near
+                if far_end > band_start:  # the keys both near and far: each query takes the one its distance picks
+                    d = q_pos[:, None] - torch.arange(band_start, far_end, dtype=torch.float64)[None, :]
+                    scores[..., band_start:far_end] = torch.where(
+                        d < window, scores[..., band_start:far_end], far[..., band_start:far_end]
+                    )
+            d = q_pos[:, None] - torch.arange(band_start, p1, dtype=torch.float64)[None, :]  # [n, p1 - band_start]
+            scores.mul_(scale)
+            scores[..., band_start:].masked_fill_(d < 0, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            out_rows = torch.einsum("hgqk,khd->qhgd", probs, values).reshape(n, num_heads, head_dim)
+            out_rows = torch.einsum("hgqk,khd->qhgd", probs, values[:p1]).reshape(n, num_heads, head_dim)
             result[c0:c1] = out_rows.to(result.dtype)
     return result
