@@ -6,7 +6,7 @@ Run::
     .venv/bin/python benchmarks/blend.py [--model smollm2|tiny] [--models-dir models] [--chunks 4]
                                          [--chunk-tokens 512] [--ratios 0.15] [--prompts 3] [--seed 0]
                                          [--max-tokens 8] [--check-layer model.layers.1.self_attn.attn]
-                                         [--keep-logs DIR] [--out results.json]
+                                         [--chunk-context none|first_chunk] [--keep-logs DIR] [--out results.json]
 
 Prompts. ``--chunks`` documents of ``--chunk-tokens`` tokens each, cut out of real text
 (``ucm.testing.texts.source_texts``: the cuts are spread evenly over all the text on this machine, so they come from
@@ -14,7 +14,8 @@ different sources), each followed by the chunk-end token ``<file_sep>`` (one tok
 question in a ChatML user turn (quote the first words of the last document: the answer depends on the order). The
 *in-order* prompt holds documents ``0..n-1``; the ``--prompts`` measured prompts hold the same documents in distinct
 other orders (seeded shuffles), the same question last. The tokenizer splits the text at the chunk-end tokens, so a
-document has the same tokens wherever it stands.
+document has the same tokens wherever it stands. With ``--chunk-context first_chunk`` every prompt starts with the
+same head, a ChatML system turn followed by the chunk-end token (:data:`HEAD`), before the documents.
 
 Engines: one process per mode (``ucm.testing.engine.run_engine``, engine core in that process), each on a fresh
 store directory of UCM's default ``Cache|Posix`` pipeline; requests one at a time, greedy, ``--max-tokens`` tokens
@@ -32,7 +33,10 @@ the in-order prompt (its TTFT is ``ttft_first_ms``), then the measured prompts.
   The in-order prompt computes every document on its own (positions from 0) and stores it; a measured prompt loads
   its first document as a stored prefix and the others' stored KV at their new positions, recomputes every blended
   token through layers 0-1 and, after layer 1, the ``r`` of them whose KV deviates most (plus the tokens of each
-  document's last, partial block, which the store does not hold); vLLM then computes the question.
+  document's last, partial block, which the store does not hold); vLLM then computes the question. With
+  ``--chunk-context first_chunk`` (Blend's ``chunk_context``) the in-order prompt computes each document after the
+  head and stores it under the keys of head + document; a measured prompt's first document after the head is a
+  stored prefix, and each other document's blocks are loaded from the one holding the head/document boundary on.
 
 Reported per mode: ``ttft_ms``, the median TTFT (vLLM's ``first_token_latency``) over the measured prompts, with
 every sample; ``ratio_to_full``, the median over the prompts of the mode's TTFT / full prefill's TTFT of the same
@@ -61,7 +65,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
@@ -70,7 +74,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
-from ucm.config import BLEND_LAYER_RE  # noqa: E402
+from ucm.config import BLEND_LAYER_RE, ChunkContext  # noqa: E402
 from ucm.testing.engine import (  # noqa: E402
     BLEND_RE,
     HIT_RE,
@@ -94,6 +98,12 @@ QUESTION = "<|im_start|>user\nQuote the first words of the last document above.<
 WARMUP_PROMPT = (
     "Describe a quiet morning at a small harbour: the boats coming back from the night, the smell of the sea, "
     "the gulls above the market and the people who buy fish before going to work."
+)
+# --chunk-context first_chunk: the head every prompt starts with (one chunk, the same in every prompt; shorter than a
+# block, so it is recomputed in every blend, never a stored prefix of its own).
+HEAD = (
+    "<|im_start|>system\nYou are a careful assistant. Read the documents below, then answer the question after "
+    "them.<|im_end|>\n"
 )
 TARGET_RATIO = 0.15
 TARGET_TTFT = 0.5
@@ -163,15 +173,21 @@ def shuffles(n: int, count: int, seed: int) -> list[tuple[int, ...]]:
     return out
 
 
-def prompt_of(chunks: list[str], order: tuple[int, ...]) -> str:
-    """The documents in ``order``, each followed by the chunk-end token, then the question."""
-    return "".join(chunks[i] + CHUNK_END for i in order) + QUESTION
+def prompt_of(chunks: list[str], order: tuple[int, ...], head: str = "") -> str:
+    """``head`` (if any) and the documents in ``order``, each followed by the chunk-end token, then the question."""
+    return (head + CHUNK_END if head else "") + "".join(chunks[i] + CHUNK_END for i in order) + QUESTION
 
 
 # ------------------------------------------------------------------------------------------ engine processes
-def ucm_config(store: Path, chunk_end_id: int, ratio: float | None, check_layer: str = CHECK_LAYER) -> dict[str, Any]:
-    """UCM's config: the store pipeline on ``store``, with Blend at ``ratio`` (chosen at ``check_layer``) unless it
-    is None."""
+def ucm_config(
+    store: Path,
+    chunk_end_id: int,
+    ratio: float | None,
+    check_layer: str = CHECK_LAYER,
+    chunk_context: ChunkContext = "none",
+) -> dict[str, Any]:
+    """UCM's config: the store pipeline on ``store``, with Blend at ``ratio`` (chosen at ``check_layer``, chunks
+    computed after ``chunk_context``) unless it is None."""
     config: dict[str, Any] = {
         "ucm_connectors": [
             {
@@ -186,6 +202,7 @@ def ucm_config(store: Path, chunk_end_id: int, ratio: float | None, check_layer:
                 "chunk_end_token_id": chunk_end_id,
                 "compute_meta": {check_layer: {"ratio": ratio}},
                 "store_chunks": True,
+                "chunk_context": chunk_context,
             }
         }
     return config
@@ -303,6 +320,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--check-layer", default=CHECK_LAYER, help="compute_meta's attention layer (every token is computed up to it)"
     )
+    p.add_argument(
+        "--chunk-context",
+        choices=get_args(ChunkContext),
+        default="none",
+        help="Blend's chunk_context; first_chunk also starts every prompt with a head (a system turn)",
+    )
     p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
     args = p.parse_args(argv)
@@ -340,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     chunk_tokens = [len(tokenizer.encode(c, add_special_tokens=False)) for c in chunks]
     orders = shuffles(args.chunks, args.prompts, args.seed)
     in_order = tuple(range(args.chunks))
-    prompts = [prompt_of(chunks, order) for order in (in_order, *orders)]
+    head = HEAD if args.chunk_context == "first_chunk" else ""
+    prompts = [prompt_of(chunks, order, head) for order in (in_order, *orders)]
     longest = max(len(tokenizer.encode(p)) for p in prompts)
     if longest + args.max_tokens > MAX_MODEL_LEN:
         raise SystemExit(f"the prompts have up to {longest} tokens; with --max-tokens they must fit {MAX_MODEL_LEN}")
@@ -363,7 +387,12 @@ def main(argv: list[str] | None = None) -> int:
             store = tmp / f"store-{name}"
             store.mkdir()
             runs[name] = run_mode(
-                name, base, ucm_config(store, chunk_end_id, ratio, args.check_layer), role, tmp, keep_logs
+                name,
+                base,
+                ucm_config(store, chunk_end_id, ratio, args.check_layer, args.chunk_context),
+                role,
+                tmp,
+                keep_logs,
             )
     full = runs["full"]
     blend = {f"{r:g}": mode_summary(runs[f"blend_{r:g}"], full) for r in args.ratio_list}
@@ -380,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         "store_pipeline": STORE_PIPELINE,
         "chunk_end": {"text": CHUNK_END, "token_id": chunk_end_id},
         "check_layer": args.check_layer,
+        "chunk_context": args.chunk_context,
+        "head_tokens": len(tokenizer.encode(head, add_special_tokens=False)) if head else 0,
         "chunks": args.chunks,
         "chunk_tokens": chunk_tokens,
         "prompts": args.prompts,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,16 @@ def test_blend_lines_parses_the_log_of_each_request() -> None:
     (line,) = blend.blend_lines(log).values()
     assert (line.tokens, line.chunks, line.reused, line.computed_chunks, line.recomputed) == (194, 2, 128, 0, 69)
     assert (line.chunks_ms, line.pass_ms) == (29.0, 530.0)
+
+
+def test_first_chunk_prompts_start_with_the_head_as_their_own_chunk(tmp_path: Path) -> None:
+    blend = load_script("blend")
+    assert blend.prompt_of(["a", "b"], (1, 0)) == "b<file_sep>a<file_sep>" + blend.QUESTION
+    with_head = blend.prompt_of(["a", "b"], (1, 0), blend.HEAD)
+    assert with_head == blend.HEAD + "<file_sep>b<file_sep>a<file_sep>" + blend.QUESTION
+    args = blend.parse_args(["--chunk-context", "first_chunk"])
+    config = blend.ucm_config(tmp_path, 5, 0.15, args.check_layer, args.chunk_context)
+    assert config["ucm_sparse_config"]["Blend"]["chunk_context"] == "first_chunk"
+    assert "ucm_sparse_config" not in blend.ucm_config(tmp_path, 5, None)
+    with pytest.raises(SystemExit):
+        blend.parse_args(["--chunk-context", "head"])
