@@ -99,8 +99,8 @@ WARMUP_PROMPT = (
     "Describe a quiet morning at a small harbour: the boats coming back from the night, the smell of the sea, "
     "the gulls above the market and the people who buy fish before going to work."
 )
-# --chunk-context first_chunk: the head every prompt starts with (one chunk, the same in every prompt; shorter than a
-# block, so it is recomputed in every blend, never a stored prefix of its own).
+# --chunk-context first_chunk: the head every prompt starts with (one chunk, the same in every prompt). Shorter than a
+# block, it is never a stored prefix on its own; head + first document is, and the other documents are stored after it.
 HEAD = (
     "<|im_start|>system\nYou are a careful assistant. Read the documents below, then answer the question after "
     "them.<|im_end|>\n"
