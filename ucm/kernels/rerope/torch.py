@@ -20,8 +20,8 @@ inverse frequencies reach thousands of radians), the rotated vectors, scores and
 the query's dtype.
 
 Layouts: the CPU kernel variants' ``KVLayout.CPU_ATTN`` (``vec``, ``vec16``) and ``KVLayout.CPU_ATTN_AMX`` (``amx``),
-read through ``ucm.kernels.layouts.cpu_attn_kv_views`` (gathered per request into canonical ``[tokens,
-num_kv_heads, head_dim]`` order).
+read through ``ucm.kernels.layouts.cpu_attn_kv_views`` (gathered per request into head-major float32 ``[num_kv_heads,
+tokens, head_dim]``, the order the score and output matmuls read).
 """
 
 from __future__ import annotations
@@ -112,17 +112,33 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_di
 
 
 def _request_kv(
-    k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, seq_len: int, geometry: tuple[int, int, int]
+    kv_cache: torch.Tensor, layout: KVLayout, block_ids: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` tokens' K and V of a request whose blocks are ``block_ids``: float32 ``[seq_len,
-    num_kv_heads, head_dim]`` each, from the layout views of :func:`cpu_attn_kv_views` (dims in canonical order, so
-    whole blocks reshape to tokens); ``geometry``: ``(block_size, num_kv_heads, head_dim)`` of the cache."""
-    block_size = geometry[0]
+    """The first ``seq_len`` tokens' K and V of a request whose blocks are ``block_ids``, head-major: float32
+    ``[num_kv_heads, seq_len, head_dim]`` each (rows contiguous). Two passes over the data: the request's blocks are
+    gathered whole, then each of K and V is copied once out of :func:`cpu_attn_kv_views` of them (whose dims, in
+    order, are the canonical ``[block, token, head, dim]`` with the token and dim axes split where the layout tiles
+    them) into the head-major buffer."""
+    _, num_kv_heads, block_size, two_d = kv_cache.shape
+    head_dim = two_d // 2
     n = -(-seq_len // block_size)
-    ids = block_ids[:n].long()
-    keys = k[ids].reshape(n * block_size, *geometry[1:])[:seq_len]
-    values = v[ids].reshape(n * block_size, *geometry[1:])[:seq_len]
-    return keys.to(torch.float32), values.to(torch.float32)
+    blocks = kv_cache[block_ids[:n].long()]  # [n, num_kv_heads, block_size, 2 * head_dim]
+    head_axis = 2 if layout == KVLayout.CPU_ATTN else 3  # after the block axis and the (split) token axes
+    out = []
+    for part in cpu_attn_kv_views(blocks, layout):
+        shape = part.shape
+        head_major = torch.empty((num_kv_heads, n * block_size, head_dim), dtype=torch.float32)
+        dst = head_major.view(num_kv_heads, n, *shape[1:head_axis], *shape[head_axis + 1 :])
+        dst.copy_(part.movedim(head_axis, 0))
+        out.append(head_major[:, :seq_len])
+    return out[0], out[1]
+
+
+def _head_major(q: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
+    """Queries ``[n, num_kv_heads * group, head_dim]`` as the rows each KV head scores: ``[num_kv_heads, group * n,
+    head_dim]`` (row ``g * n + i`` is query ``i``'s head ``h * group + g``)."""
+    n, _, head_dim = q.shape
+    return q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
 
 
 def rerope_paged_attention(
@@ -164,9 +180,8 @@ def rerope_paged_attention(
             ``leaky_factor`` < 1, a bad ``rotary_dim``, or heads that do not group (num_heads % num_kv_heads).
     """
     _, num_heads, head_dim = query.shape
-    k, v = cpu_attn_kv_views(kv_cache, layout)
-    _, num_kv_heads, block_size, _ = kv_cache.shape
-    geometry = (block_size, num_kv_heads, head_dim)
+    cpu_attn_kv_views(kv_cache, layout)  # checks the layout and that the cache fits it (ValueError)
+    num_kv_heads = kv_cache.shape[1]
     rotary_dim = check_rerope_args(num_heads, num_kv_heads, head_dim, window, leaky_factor, rotary_dim)
     scale = head_dim**-0.5 if scale is None else scale
     group = num_heads // num_kv_heads
@@ -177,12 +192,12 @@ def rerope_paged_attention(
         if q1 == q0:
             continue
         seq_len = int(seq_lens[r])
-        keys, values = _request_kv(k, v, block_table[r], seq_len, geometry)  # [L, Hkv, D]
+        keys, values = _request_kv(kv_cache, layout, block_table[r], seq_len)  # [Hkv, L, D] each
         far_keys = None
         if seq_len - 1 >= window:  # some query-key distance reaches the window: keys 0..L-1-window are far for one
             n_far = seq_len - window
-            cos, sin = _KEY_ANGLES.get(n_far, rotary_dim, base, inv_k)
-            far_keys = rotate_with(keys[:n_far], cos, sin, rotary_dim, neox)
+            cos, sin = _KEY_ANGLES.get(n_far, rotary_dim, base, inv_k)  # [n_far, 1, rotary_dim / 2]
+            far_keys = rotate_with(keys[:, :n_far], cos.view(1, n_far, -1), sin.view(1, n_far, -1), rotary_dim, neox)
         for c0 in range(q0, q1, QUERY_CHUNK):
             c1 = min(q1, c0 + QUERY_CHUNK)
             n = c1 - c0
@@ -192,15 +207,16 @@ def rerope_paged_attention(
             # (distance >= window for some query). Between band_start and far_end a key is near for some queries and
             # far for others.
             band_start, far_end = max(0, p0 - window + 1), max(0, p1 - window)
-            # Grouped-query heads: query head h reads KV head h // group.
-            q = query[c0:c1].to(torch.float32).view(n, num_kv_heads, group, head_dim)
-            near = torch.einsum("qhgd,khd->hgqk", q, keys[band_start:p1])  # [Hkv, G, n, p1 - band_start]
+            # Grouped-query heads: query head h reads KV head h // group; rows of KV head h: (g, query) g-major.
+            q = _head_major(query[c0:c1].to(torch.float32), num_kv_heads, group)  # [Hkv, G * n, D]
+            near = torch.matmul(q, keys[:, band_start:p1].transpose(1, 2)).view(num_kv_heads, group, n, -1)
             if far_end == 0:
                 scores = near
             else:
                 assert far_keys is not None
                 q_far = rotate_by(query[c0:c1], window * (1 - inv_k) + q_pos * inv_k - q_pos, rotary_dim, base, neox)
-                far = torch.einsum("qhgd,khd->hgqk", q_far.view(n, num_kv_heads, group, head_dim), far_keys[:far_end])
+                far = torch.matmul(_head_major(q_far, num_kv_heads, group), far_keys[:, :far_end].transpose(1, 2))
+                far = far.view(num_kv_heads, group, n, far_end)
                 scores = torch.empty((num_kv_heads, group, n, p1), dtype=torch.float32)
                 scores[..., :band_start] = far[..., :band_start]
                 scores[..., band_start:] = near
@@ -212,7 +228,7 @@ def rerope_paged_attention(
             d = q_pos[:, None] - torch.arange(band_start, p1, dtype=torch.float64)[None, :]  # [n, p1 - band_start]
             scores.mul_(scale)
             scores[..., band_start:].masked_fill_(d < 0, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out_rows = torch.einsum("hgqk,khd->qhgd", probs, values[:p1]).reshape(n, num_heads, head_dim)
-            result[c0:c1] = out_rows.to(result.dtype)
+            probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, p1)
+            out_rows = torch.matmul(probs, values[:, :p1]).view(num_kv_heads, group, n, head_dim)
+            result[c0:c1] = out_rows.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(result.dtype)
     return result
