@@ -440,6 +440,14 @@ class ReRoPEConfig(_Strict):
         description="Leaky ReRoPE: distances beyond the window grow 1/leaky_factor as fast (null: plain ReRoPE, "
         "every distance beyond the window read as the window).",
     )
+    decode_cache_gb: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="DRAM (GiB per worker, shared evenly by the attention layers) that keeps the running requests' "
+        "values and re-rotated far keys (float32) from one step to the next, so a decode step reads only its new "
+        "tokens; requests beyond it are recomputed whole every step (0: keep nothing). Not part of the KV cache.",
+    )
 
     @field_validator("leaky_factor", mode="before")
     @classmethod

@@ -11,7 +11,7 @@ import torch
 
 from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
 from ucm.kernels.rerope import rerope_attention_reference, rope_reference
-from ucm.kernels.rerope.torch import rerope_paged_attention
+from ucm.kernels.rerope.torch import RequestKV, rerope_paged_attention
 
 HEADS, KV_HEADS, D, BLOCK = 4, 2, 32, 32
 BASE = 10000.0
@@ -160,3 +160,42 @@ def test_bad_arguments_name_the_value() -> None:
     with pytest.raises(ValueError, match="layout must be one of"):
         rerope_paged_attention(step["query"], step["cache"], KVLayout.FLASH_NHD, *args[3:], step["query_start_loc"],
                                window=4)  # fmt: skip
+
+
+def _rewrite_positions(step: dict, layout: KVLayout, positions: list[int], seed: int) -> None:
+    """Give request 0's tokens at ``positions`` new K and V in the paged cache (what a step that recomputes them,
+    e.g. after rejected speculative tokens, writes)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = step["cache"]
+    for view in cpu_attn_kv_views(cache, layout):
+        for p in positions:
+            b = int(step["block_table"][0, p // BLOCK])
+            tokens = view[b].reshape(BLOCK, KV_HEADS, D).clone()
+            tokens[p % BLOCK] = torch.randn((KV_HEADS, D), generator=g).to(cache.dtype)
+            view[b] = tokens.view(view.shape[1:])
+
+
+@pytest.mark.parametrize(("layout", "dtype"), LAYOUT_DTYPES, ids=lambda x: getattr(x, "value", str(x)))
+@pytest.mark.parametrize("leaky", [math.inf, 2.0])
+def test_request_kv_kept_across_steps_gives_the_fresh_result_bit_for_bit(
+    layout: KVLayout, dtype: torch.dtype, leaky: float
+) -> None:
+    """One request run step by step (two prefill chunks, decode steps, a step that recomputes its last two tokens
+    as after rejected speculative tokens, more decode) with one RequestKV kept across the steps: every step's output
+    equals, bit for bit, the same step with nothing kept (every key gathered and re-rotated), and the kept entry
+    covers the step's values and far keys and no more."""
+    window, total = 8, 90
+    step = paged_step(dtype, layout, [total], [total], neox=True, rotary_dim=D)
+    kept = RequestKV()
+    # (first query position, number of queries): the step's seq_len is their sum.
+    schedule = [(0, 40), (40, 20), *[(p, 1) for p in range(60, 75)], (73, 3), *[(p, 1) for p in range(76, total)]]
+    for first, n in schedule:
+        if (first, n) == (73, 3):
+            _rewrite_positions(step, layout, [73, 74], seed=first)
+        seq_len = first + n
+        args = (step["query"][first:seq_len], step["cache"], layout, step["block_table"])
+        lens = (torch.tensor([seq_len], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32))
+        fresh = rerope_paged_attention(*args, *lens, window=window, leaky_factor=leaky, base=BASE)
+        got = rerope_paged_attention(*args, *lens, window=window, leaky_factor=leaky, base=BASE, request_kv=[kept])
+        assert torch.equal(got, fresh), f"step at positions {first}..{seq_len - 1}"
+        assert (kept.num_values, kept.num_far) == (seq_len, max(0, seq_len - window))

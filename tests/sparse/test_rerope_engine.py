@@ -100,3 +100,46 @@ def test_a_restart_hit_gives_the_same_answers(tmp_path: Path) -> None:
         assert first.hit_external == 0 and again.hit_external == again.num_prompt_tokens // 128 >= 7
         assert again.token_ids == first.token_ids
         assert max(abs(a - b) for a, b in zip(first.logprobs, again.logprobs, strict=True)) < 1e-3
+
+
+def test_kept_request_kv_gives_the_tokens_of_recomputing_every_step(tmp_path: Path) -> None:
+    """Six recall prompts of about 620 and 980 tokens batched on a KV cache of 17 blocks of 128 tokens (up to three
+    requests at once, others wait; a request that needs a block preempts another, recomputed later on other blocks):
+    with the running requests' values and far keys kept from step to step (the default ``decode_cache_gb``) and
+    with nothing kept (0), the same tokens and log-probs, bit for bit (the kernel gives a kept entry's result
+    exactly). A block allocated again under an unchanged block-table row, which no schedule here produces, is
+    covered by ``test_rerope_kept.py``."""
+    from ucm.quality import RECALL_MODEL_DIR
+    from ucm.quality.harness import build_items, model_max_len
+    from ucm.testing.engine import run_engine, ucm_transfer_config
+
+    items = [it for length in (640, 1000) for it in build_items(RECALL_MODEL_DIR, "recall", [length], True, 5)[:3]]
+    results, logs = [], []
+    for keep_gb in (1.0, 0.0):
+        extra = {
+            "ucm_connectors": [
+                {
+                    "ucm_connector_name": "UcmPipelineStore",
+                    "ucm_connector_config": {"store_pipeline": "Posix", "storage_backends": str(tmp_path / "s")},
+                }
+            ],
+            "ucm_sparse_config": {"ReRoPE": {"window": WINDOW, "decode_cache_gb": keep_gb}},
+        }
+        spec = {
+            "model": str(RECALL_MODEL_DIR),
+            "max_model_len": model_max_len(RECALL_MODEL_DIR),
+            "enable_prefix_caching": False,
+            "engine_args": {"num_gpu_blocks_override": 17, "block_size": 128},
+            "connector": ucm_transfer_config(extra, kv_role="kv_consumer"),  # an empty store: no loads, no dumps
+            "batch": True,
+            "requests": [{"prompt": it.prompt, "max_tokens": 48} for it in items],
+        }
+        out, log = run_engine(spec)
+        results.append(out)
+        logs.append(log)
+    kept, recomputed = results
+    assert "reused the values and far keys a request kept" in logs[0]
+    assert "reused the values and far keys a request kept" not in logs[1]
+    for a, b in zip(kept, recomputed, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert sum(it.answer in r.text for it, r in zip(items, kept, strict=True)) >= 5  # ReRoPE answers at 4x

@@ -104,7 +104,11 @@ def test_bad_values(gsa: dict, message: str) -> None:
 def test_rerope_section() -> None:
     cfg = parse_config({"ucm_sparse_config": {"ReRoPE": {"window": 512}}})
     assert cfg.ucm_sparse_config is not None and cfg.ucm_sparse_config.method == "ReRoPE"
-    assert cfg.to_log_dict()["ucm_sparse_config"]["ReRoPE"] == {"window": 512, "leaky_factor": None}
+    assert cfg.to_log_dict()["ucm_sparse_config"]["ReRoPE"] == {
+        "window": 512,
+        "leaky_factor": None,
+        "decode_cache_gb": 1.0,
+    }
     leaky = parse_config({"ucm_sparse_config": {"ReRoPE": {"window": 512, "leaky_factor": 16}}}).ucm_sparse_config
     assert leaky is not None and leaky.ReRoPE is not None and leaky.ReRoPE.leaky_factor == 16.0
 
@@ -116,6 +120,7 @@ def test_rerope_section() -> None:
         ({"ReRoPE": {"window": 0}}, "ucm_sparse_config.ReRoPE.window: Input should be greater than or equal to 1"),
         ({"ReRoPE": {"window": 64, "leaky_factor": 0.5}}, "leaky_factor: Input should be greater than or equal to 1"),
         ({"ReRoPE": {"window": 64, "windw": 1}}, "unknown key 'windw' in ucm_sparse_config.ReRoPE; valid keys: "),
+        ({"ReRoPE": {"window": 64, "decode_cache_gb": -1}}, "decode_cache_gb: Input should be greater than or equal"),
         ({"GSA": {}, "ReRoPE": {"window": 64}}, "GSA and ReRoPE are both set"),
     ],
 )

@@ -157,14 +157,12 @@ def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, 
     f1_cell: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     by_depth: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     correct: dict[str, bool] = {}
-    nll: list[float] = []
     nll_by_length: dict[str, list[float]] = defaultdict(list)
     for it, res in zip(items, results, strict=True):
         if it.is_perplexity:
             scored = res.prompt_logprobs
             if it.scored_tokens is not None:
                 scored = [res.prompt_logprobs[i] for i in it.scored_tokens]
-            nll += [-lp for lp in scored]
             nll_by_length[str(it.length)] += [-lp for lp in scored]
             continue
         ok = is_correct(it, res.text)
@@ -173,6 +171,7 @@ def summarize(items: list[EvalItem], results: list[RequestResult]) -> dict[str, 
         f1_cell[it.task][str(it.length)].append(answer_f1(it, res.text))
         if it.depth is not None:
             by_depth[it.task][f"{it.length}@{it.depth:.2f}"].append(ok)
+    nll = [x for v in nll_by_length.values() for x in v]
     return {
         "accuracy": _cell_means(by_cell),
         "f1": _cell_means(f1_cell),

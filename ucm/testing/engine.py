@@ -17,6 +17,8 @@ Spec (a dict, JSON-serializable)::
                    "prompt_logprobs": false # also record the log-prob of every prompt token (teacher forced)
                    }, ...],
      "reset_prefix_cache": false,       # reset vLLM's own prefix cache before every request
+     "batch": false,                    # true: every request in one generate call, batched by vLLM's scheduler
+                                        # (no before_cmd / reset_prefix_cache; hit counts not parsed: -1)
      "engine_core_process": false}      # true: vLLM's engine core in its own process (see below)
 
 By default the engine core runs inside the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the same scheduler,
@@ -175,7 +177,7 @@ def run_engine(
         r["top_logprobs"] = [{int(k): v for k, v in step.items()} for step in r.get("top_logprobs", [])]
     results = [RequestResult(**r) for r in raw]
     hits = HIT_RE.findall(proc.stderr)
-    if _uses_ucm(spec.get("connector")):
+    if _uses_ucm(spec.get("connector")) and not spec.get("batch"):
         if len(hits) != len(results):
             raise RuntimeError(f"expected {len(results)} UCM request lines, found {len(hits)}:\n{proc.stderr[-4000:]}")
         for r, (_, total, hbm, ext) in zip(results, hits, strict=True):
@@ -184,7 +186,7 @@ def run_engine(
 
 
 def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     kwargs: dict[str, Any] = dict(spec.get("engine_args", {}))
     if spec.get("connector"):
@@ -199,51 +201,69 @@ def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:
         seed=0,
         **kwargs,
     )
+    if spec.get("batch"):
+        prompts = [_prompt(req) for req in spec["requests"]]
+        t0 = time.perf_counter()
+        batch = llm.generate(prompts, [_params(req) for req in spec["requests"]], use_tqdm=False)  # type: ignore[arg-type]
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        return [_record(req, result, wall_ms) for req, result in zip(spec["requests"], batch, strict=True)]
     out: list[dict[str, Any]] = []
     for req in spec["requests"]:
         if req.get("before_cmd"):
             subprocess.run(req["before_cmd"], shell=True, check=True)
         if spec.get("reset_prefix_cache") or req.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
-        top_k = int(req.get("top_logprobs", 0))
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=req.get("max_tokens", 16),
-            logprobs=top_k,
-            prompt_logprobs=0 if req.get("prompt_logprobs") else None,
-        )
-        prompt: dict[str, Any] = {"prompt": req["prompt"]}
-        if req.get("cache_salt") is not None:
-            prompt["cache_salt"] = req["cache_salt"]
         t0 = time.perf_counter()
-        (result,) = llm.generate([prompt], params, use_tqdm=False)  # type: ignore[arg-type]
-        wall_ms = (time.perf_counter() - t0) * 1e3
-        completion = result.outputs[0]
-        ttft = getattr(result.metrics, "first_token_latency", 0.0) if result.metrics else 0.0
-        logprobs = [
-            float(step[tok].logprob) if step else float("nan")
-            for step, tok in zip(completion.logprobs or [], completion.token_ids, strict=False)
-        ]
-        record: dict[str, Any] = {
-            "token_ids": list(completion.token_ids),
-            "text": completion.text,
-            "logprobs": logprobs,
-            "ttft_ms": ttft * 1e3 if ttft > 0 else wall_ms,
-            "num_prompt_tokens": len(result.prompt_token_ids or []),
-            "wall_ms": wall_ms,
-        }
-        if top_k:
-            record["top_logprobs"] = [
-                {str(tok): float(lp.logprob) for tok, lp in step.items()} for step in completion.logprobs or []
-            ]
-        if req.get("prompt_logprobs"):
-            record["prompt_logprobs"] = [
-                float(step[tok].logprob)
-                for step, tok in zip(result.prompt_logprobs or [], result.prompt_token_ids or [], strict=False)
-                if step
-            ]
-        out.append(record)
+        (result,) = llm.generate([_prompt(req)], _params(req), use_tqdm=False)  # type: ignore[arg-type]
+        out.append(_record(req, result, (time.perf_counter() - t0) * 1e3))
     return out
+
+
+def _prompt(req: dict[str, Any]) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt": req["prompt"]}
+    if req.get("cache_salt") is not None:
+        prompt["cache_salt"] = req["cache_salt"]
+    return prompt
+
+
+def _params(req: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=req.get("max_tokens", 16),
+        logprobs=int(req.get("top_logprobs", 0)),
+        prompt_logprobs=0 if req.get("prompt_logprobs") else None,
+    )
+
+
+def _record(req: dict[str, Any], result: Any, wall_ms: float) -> dict[str, Any]:
+    """One request's result as :class:`RequestResult` fields (without the hit counts the parent parses)."""
+    completion = result.outputs[0]
+    ttft = getattr(result.metrics, "first_token_latency", 0.0) if result.metrics else 0.0
+    logprobs = [
+        float(step[tok].logprob) if step else float("nan")
+        for step, tok in zip(completion.logprobs or [], completion.token_ids, strict=False)
+    ]
+    record: dict[str, Any] = {
+        "token_ids": list(completion.token_ids),
+        "text": completion.text,
+        "logprobs": logprobs,
+        "ttft_ms": ttft * 1e3 if ttft > 0 else wall_ms,
+        "num_prompt_tokens": len(result.prompt_token_ids or []),
+        "wall_ms": wall_ms,
+    }
+    if int(req.get("top_logprobs", 0)):
+        record["top_logprobs"] = [
+            {str(tok): float(lp.logprob) for tok, lp in step.items()} for step in completion.logprobs or []
+        ]
+    if req.get("prompt_logprobs"):
+        record["prompt_logprobs"] = [
+            float(step[tok].logprob)
+            for step, tok in zip(result.prompt_logprobs or [], result.prompt_token_ids or [], strict=False)
+            if step
+        ]
+    return record
 
 
 def run_child(spec: dict[str, Any]) -> None:

@@ -55,6 +55,10 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     """What the workers do this step: ``loads`` before the forward pass (then ``blends``, CacheBlend's runs), ``dumps``
     after it.
 
+    ``allocated_block_ids``: every block vLLM allocated in this step (to new, resumed and growing requests, prefix
+    hits included): what a worker derived from those blocks' earlier contents is void (ReRoPE's kept keys, see
+    ``ucm.integration.vllm.sparse_backend.BlockAllocations``).
+
     ``reset_epoch`` counts the scheduler's cache resets (vLLM's ``reset_prefix_cache`` with ``reset_external``);
     a worker that sees it above its own empties its DRAM tier before anything else of the step, and with
     ``clear_storage`` also deletes the blocks its unfinished dumps of the previous epoch wrote (see
@@ -64,6 +68,7 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     dumps: list[BlockTransfer] = field(default_factory=list)
     blends: list[BlendTransfer] = field(default_factory=list)
+    allocated_block_ids: list[int] = field(default_factory=list)
     reset_epoch: int = 0
     clear_storage: bool = False
 

@@ -342,9 +342,12 @@ class UCMScheduler:
         scheduled: list[tuple[str, int, list[int] | None, bool]] = []
         for new in scheduler_output.scheduled_new_reqs:
             scheduled.append((new.req_id, new.num_computed_tokens, list(new.block_ids[0]), True))
+            meta.allocated_block_ids.extend(b for group in new.block_ids for b in group)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
+            if new_ids:
+                meta.allocated_block_ids.extend(b for group in new_ids for b in group)
             resumed = req_id in cached.resumed_req_ids
             scheduled.append((req_id, cached.num_computed_tokens[i], list(new_ids[0]) if new_ids else None, resumed))
         for req_id, num_computed, new_block_ids, replace in scheduled:

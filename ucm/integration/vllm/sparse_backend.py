@@ -59,7 +59,7 @@ from ucm.integration.vllm.blend import BlendPass
 from ucm.integration.vllm.engine_info import CPU_ISA_LAYOUTS
 from ucm.kernels.layouts import KVLayout
 from ucm.kernels.paged_keys import paged_keys
-from ucm.kernels.rerope.torch import rerope_paged_attention
+from ucm.kernels.rerope.torch import RequestKV, rerope_paged_attention
 from ucm.logger import init_logger
 from ucm.sparse import BlockSummaries, SparseMethod, make_method
 
@@ -75,6 +75,19 @@ def _announce(name: str, kept: int, total: int) -> None:
     if not _announced:
         _announced = True
         logger.info("sparse attention %s: first decode selection kept %d of %d blocks", name, kept, total)
+
+
+_announced_kept = False  # one info line per process when ReRoPE first reuses a request's kept KV
+
+
+def _announce_kept(layer_bytes: int) -> None:
+    global _announced_kept
+    if not _announced_kept:
+        _announced_kept = True
+        logger.info(
+            "ReRoPE: a step reused the values and far keys a request kept from its last step (%.1f MiB per layer)",
+            layer_bytes / 2**20,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +191,109 @@ def sparse_config_of(vllm_config: Any) -> UcmSparseConfig | None:
 
 @dataclasses.dataclass(frozen=True)
 class _ReRoPE:
-    """ReRoPE's settings for one layer: the config's window and leaky factor, the model's RoPE."""
+    """ReRoPE's settings for one layer: the config's window and leaky factor, the model's RoPE, and the bytes of
+    running requests' :class:`~ucm.kernels.rerope.torch.RequestKV` the layer may keep between steps."""
 
     window: int
     leaky_factor: float
     rotary_dim: int
     base: float
+    keep_bytes: int
+
+
+class BlockAllocations:
+    """The step at which vLLM last allocated each KV block of this process's engine, as UCMConnector's scheduler side
+    reports it every step (``UCMConnectorMetadata.allocated_block_ids``, noted by the worker side when the step's
+    metadata is bound, before the forward pass).
+
+    A block allocated again may hold other tokens (computed, or loaded by the connector, which writes no
+    ``slot_mapping``): what was derived from its old contents (ReRoPE's kept keys and values) is void from then on.
+    Steps count from 1; ``step == 0``: nothing reported yet (no connector metadata), so nothing can be checked.
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._allocated_at = torch.zeros(0, dtype=torch.int64)  # [max block id + 1]: step of the last allocation
+
+    def note(self, block_ids: list[int]) -> None:
+        """Start a step in which vLLM allocated ``block_ids`` (to new, resumed or growing requests)."""
+        self.step += 1
+        if not block_ids:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        size = int(ids.max()) + 1
+        if size > self._allocated_at.numel():
+            grown = torch.zeros(max(size, 2 * self._allocated_at.numel()), dtype=torch.int64)
+            grown[: self._allocated_at.numel()] = self._allocated_at
+            self._allocated_at = grown
+        self._allocated_at[ids] = self.step
+
+    def unchanged_since(self, block_ids: torch.Tensor, step: int) -> bool:
+        """Whether none of ``block_ids`` (int64 ``[n]``) was allocated after ``step``."""
+        known = block_ids[block_ids < self._allocated_at.numel()]
+        return bool((self._allocated_at[known] <= step).all())
+
+
+block_allocations = BlockAllocations()
+
+
+@dataclasses.dataclass
+class _KeptKV:
+    kv: RequestKV
+    blocks: torch.Tensor  # int64: the block-table prefix that holds kv's values
+    step: int  # the allocation step up to which those blocks were checked
+
+
+class KeptRequestKV:
+    """One layer's ReRoPE :class:`~ucm.kernels.rerope.torch.RequestKV` of the running requests, from one step to the
+    next, within ``budget_bytes``.
+
+    An entry is filed under the block of its request's last token (a block only that request writes) and found again
+    by the block of the token before a step's first query. It is handed out only while the block-table prefix that
+    holds its values is the same and none of those blocks was allocated again since it was filed
+    (``allocations``); each step keeps only the entries of the requests it ran.
+    """
+
+    def __init__(self, budget_bytes: int, allocations: BlockAllocations) -> None:
+        self.budget_bytes = budget_bytes
+        self._allocations = allocations
+        self._entries: dict[int, _KeptKV] = {}
+        self._next: dict[int, _KeptKV] = {}
+        self._next_bytes = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether anything can be kept: a budget, and block allocations reported (else nothing could be checked)."""
+        return self.budget_bytes > 0 and self._allocations.step > 0
+
+    def take(self, row: torch.Tensor, first_query: int, block_size: int) -> RequestKV | None:
+        """The entry for the request whose block-table row is ``row`` (int ``[max_blocks]``) and whose step starts at
+        position ``first_query``: the one kept at its last step if still valid, else a new one; None when
+        :attr:`active` is false."""
+        if not self.active:
+            return None
+        old = self._entries.get(int(row[(first_query - 1) // block_size])) if first_query > 0 else None
+        if (
+            old is None
+            or old.blocks.numel() > row.numel()
+            or not torch.equal(row[: old.blocks.numel()].long(), old.blocks)
+            or not self._allocations.unchanged_since(old.blocks, old.step)
+        ):
+            return RequestKV()
+        return old.kv
+
+    def put(self, kv: RequestKV, row: torch.Tensor, seq_len: int, block_size: int) -> None:
+        """Keep ``kv`` (its values cover ``seq_len`` tokens of the request of ``row``) for the next step, if it fits
+        in what is left of the budget this step."""
+        if self._next_bytes + kv.nbytes > self.budget_bytes:
+            return
+        self._next_bytes += kv.nbytes
+        blocks = row[: -(-seq_len // block_size)].long().clone()
+        self._next[int(row[(seq_len - 1) // block_size])] = _KeptKV(kv, blocks, self._allocations.step)
+
+    def end_step(self) -> None:
+        """Keep what :meth:`put` filed this step, and only that."""
+        self._entries, self._next, self._next_bytes = self._next, {}, 0
 
 
 def _rerope_of(cfg: ReRoPEConfig, vllm_config: Any, head_size: int) -> _ReRoPE:
@@ -204,7 +314,9 @@ def _rerope_of(cfg: ReRoPEConfig, vllm_config: Any, head_size: int) -> _ReRoPE:
     base = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     partial = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
     leaky = math.inf if cfg.leaky_factor is None else cfg.leaky_factor
-    return _ReRoPE(cfg.window, leaky, int(head_size * partial), base)
+    num_layers = max(1, vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+    keep_bytes = int(cfg.decode_cache_gb * 2**30 / num_layers)
+    return _ReRoPE(cfg.window, leaky, int(head_size * partial), base, keep_bytes)
 
 
 class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -216,10 +328,12 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
         self._method: SparseMethod | None = None
         self._summaries: BlockSummaries | None = None
         self._rerope: _ReRoPE | None = None
+        self._kept: KeptRequestKV | None = None  # ReRoPE's, for the requests' next steps
         cfg = sparse_config_of(get_current_vllm_config())
         if cfg is not None and cfg.ReRoPE is not None:
             if self.attn_type == AttentionType.DECODER and self.sliding_window == -1 and self.sinks is None:
                 self._rerope = _rerope_of(cfg.ReRoPE, get_current_vllm_config(), self.head_size)
+                self._kept = KeptRequestKV(self._rerope.keep_bytes, block_allocations)
             return
         method = make_method(cfg)
         if method is None:
@@ -270,31 +384,44 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         if self._method is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:
             attn_metadata = self._sparse_metadata(layer, query, kv_cache, attn_metadata)
-        result = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-        )
-        if self._rerope is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:
-            self._rectify(layer, query, kv_cache, attn_metadata, output)
-        return result
+        if self._rerope is None or attn_metadata is None or attn_metadata.dynamic_causal is not None:
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        num_reqs = attn_metadata.seq_lens.shape[0]
+        long_rows = (attn_metadata.seq_lens[:num_reqs] > self._rerope.window).nonzero().flatten().tolist()
+        if len(long_rows) < num_reqs:  # vLLM's kernel for the rows no longer than the window (all rows: simpler)
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        if long_rows:
+            self._rectify(layer, query, kv_cache, attn_metadata, output, long_rows)
+        return output
 
     def _rectify(
-        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata, output: torch.Tensor
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: CPUAttentionMetadata,
+        output: torch.Tensor,
+        long_rows: list[int],
     ) -> None:
-        """Recompute, with ReRoPE, the output rows of the requests whose keys reach the window (shorter requests'
-        dense results are ReRoPE's already: every distance is below the window)."""
-        rr = self._rerope
-        assert rr is not None
-        num_reqs = md.seq_lens.shape[0]
-        long_rows = (md.seq_lens[:num_reqs] > rr.window).nonzero().flatten().tolist()
-        if not long_rows:
-            return
+        """Compute, with ReRoPE, the output rows of the requests whose keys reach the window (shorter requests'
+        dense results are ReRoPE's already: every distance is below the window), each request's values and far keys
+        kept for its next step (:class:`KeptRequestKV`)."""
+        rr, kept = self._rerope, self._kept
+        assert rr is not None and kept is not None
         layout = layout_of_isa(getattr(layer, "isa", None))
+        block_size = kv_cache.shape[2]
         starts = md.query_start_loc
         for r in long_rows:
             q0, q1 = int(starts[r]), int(starts[r + 1])
             if q1 == q0:
                 continue
             n = q1 - q0
+            seq_len = int(md.seq_lens[r])
+            entry = kept.take(md.block_table[r], seq_len - n, block_size)
+            if entry is not None and entry.num_values:
+                _announce_kept(rr.keep_bytes)
             rerope_paged_attention(
                 query[q0:q1],
                 kv_cache,
@@ -308,7 +435,11 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
                 base=rr.base,
                 scale=self.scale,
                 out=output[q0:q1].view(n, self.num_heads, self.head_size),
+                request_kv=[entry] if entry is not None else None,
             )
+            if entry is not None:
+                kept.put(entry, md.block_table[r], seq_len, block_size)
+        kept.end_step()
 
     def _sparse_metadata(
         self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata

@@ -122,6 +122,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._spec = kv_spec(kv_cache_config)
         # ReRoPE changes the KV of later layers past its window: such blocks get a namespace of their own.
         sparse = self._ucm_config.ucm_sparse_config
+        self._rerope_on = sparse is not None and sparse.ReRoPE is not None
         self._attention = sparse.ReRoPE.tag() if sparse is not None and sparse.ReRoPE is not None else "dense"
         load, dump = kv_role in ("kv_both", "kv_consumer"), kv_role in ("kv_both", "kv_producer")
         # A kv_consumer only loads: it may serve from a read-only store (e.g. a read-only mount of the shared dir).
@@ -220,6 +221,10 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, UCMConnectorMetadata):
             self._worker.reset(connector_metadata)
+            if self._rerope_on:  # before this step's forward pass: ReRoPE's kept keys check their blocks against it
+                from ucm.integration.vllm.sparse_backend import block_allocations
+
+                block_allocations.note(connector_metadata.allocated_block_ids)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None

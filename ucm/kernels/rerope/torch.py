@@ -27,6 +27,7 @@ tokens, head_dim]``, the order the score and output matmuls read).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -66,31 +67,29 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float) -> tuple
     return angles.cos().to(torch.float32)[:, None, :], angles.sin().to(torch.float32)[:, None, :]
 
 
-class _KeyAngles:
-    """cos/sin of the far keys' re-rotation ``b_j = j * inv_k - j`` for ``j < n``, grown on demand and kept per
-    (rotary_dim, base, inv_k): a decode step then re-rotates its keys without computing a trigonometric function."""
+class _AngleTables:
+    """cos/sin of the re-rotations ReRoPE applies at positions ``j < n``: ``offset + j * inv_k - j`` (far keys:
+    ``b_j``, offset 0; queries: ``a_i``, offset ``window * (1 - inv_k)``), grown on demand and kept per (rotary_dim,
+    base, inv_k, offset): a step then rotates its keys and queries without computing a trigonometric function."""
 
     def __init__(self) -> None:
-        self._tables: dict[tuple[int, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[int, float, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, n: int, rotary_dim: int, base: float, inv_k: float) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (rotary_dim, base, inv_k)
+    def get(
+        self, lo: int, hi: int, rotary_dim: int, base: float, inv_k: float, offset: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``[hi - lo, 1, rotary_dim / 2]`` cos and sin for positions ``lo .. hi - 1``."""
+        key = (rotary_dim, base, inv_k, offset)
         table = self._tables.get(key)
-        if table is None or table[0].shape[0] < n:
-            size = max(n, 2 * table[0].shape[0] if table is not None else 1024)
+        if table is None or table[0].shape[0] < hi:
+            size = max(hi, 2 * table[0].shape[0] if table is not None else 1024)
             j = torch.arange(size, dtype=torch.float64)
-            table = rope_cos_sin(j * inv_k - j, rotary_dim, base)
+            table = rope_cos_sin(offset + j * inv_k - j, rotary_dim, base)
             self._tables[key] = table
-        return table[0][:n], table[1][:n]
+        return table[0][lo:hi], table[1][lo:hi]
 
 
-_KEY_ANGLES = _KeyAngles()
-
-
-def rotate_by(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float, neox: bool) -> torch.Tensor:
-    """``x`` (``[n, heads, head_dim]``) rotated by RoPE at ``positions`` (float64 ``[n]``, any real values, e.g.
-    negative or fractional), the angles in float64, the result float32 ``[n, heads, head_dim]``."""
-    return rotate_with(x, *rope_cos_sin(positions, rotary_dim, base), rotary_dim, neox)
+_ANGLES = _AngleTables()
 
 
 def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, neox: bool) -> torch.Tensor:
@@ -112,26 +111,79 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_di
 
 
 def _request_kv(
-    kv_cache: torch.Tensor, layout: KVLayout, block_ids: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, layout: KVLayout, block_ids: torch.Tensor, start: int, end: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` tokens' K and V of a request whose blocks are ``block_ids``, head-major: float32
-    ``[num_kv_heads, seq_len, head_dim]`` each (rows contiguous). Two passes over the data: the request's blocks are
-    gathered whole, then each of K and V is copied once out of :func:`cpu_attn_kv_views` of them (whose dims, in
-    order, are the canonical ``[block, token, head, dim]`` with the token and dim axes split where the layout tiles
-    them) into the head-major buffer."""
+    """K and V of a request's tokens ``start .. end - 1`` (its blocks are ``block_ids``), head-major: float32
+    ``[num_kv_heads, end - start, head_dim]`` each (rows contiguous). Two passes over the data: the blocks holding
+    those tokens are gathered whole, then each of K and V is copied once out of :func:`cpu_attn_kv_views` of them
+    (whose dims, in order, are the canonical ``[block, token, head, dim]`` with the token and dim axes split where the
+    layout tiles them) into the head-major buffer."""
     _, num_kv_heads, block_size, two_d = kv_cache.shape
     head_dim = two_d // 2
-    n = -(-seq_len // block_size)
-    blocks = kv_cache[block_ids[:n].long()]  # [n, num_kv_heads, block_size, 2 * head_dim]
+    first, last = start // block_size, -(-end // block_size)
+    n = last - first
+    blocks = kv_cache[block_ids[first:last].long()]  # [n, num_kv_heads, block_size, 2 * head_dim]
     head_axis = 2 if layout == KVLayout.CPU_ATTN else 3  # after the block axis and the (split) token axes
+    offset = start - first * block_size
     out = []
     for part in cpu_attn_kv_views(blocks, layout):
         shape = part.shape
         head_major = torch.empty((num_kv_heads, n * block_size, head_dim), dtype=torch.float32)
         dst = head_major.view(num_kv_heads, n, *shape[1:head_axis], *shape[head_axis + 1 :])
         dst.copy_(part.movedim(head_axis, 0))
-        out.append(head_major[:, :seq_len])
+        out.append(head_major[:, offset : offset + end - start])
     return out[0], out[1]
+
+
+class RequestKV:
+    """One request's values and re-rotated far keys, as ReRoPE's scores read them, kept from one step to the next.
+
+    ``values[:, :num_values]`` are the V of positions ``0 .. num_values - 1`` and ``far_keys[:, :num_far]`` the K of
+    positions ``0 .. num_far - 1`` re-rotated by ``b_j`` (see the module docstring), both head-major float32
+    ``[num_kv_heads, capacity, head_dim]`` (``num_far <= num_values``). :func:`rerope_paged_attention` extends them
+    with the tokens a step adds, so a decode step gathers and rotates only its new tokens (and reads the near band's
+    keys) instead of the whole request. It truncates them to the step's first query position first: what a step
+    computes from there on is written again (speculative tokens). Bit for bit the same results as a fresh one.
+
+    The caller owns the identity: the entry must belong to the request whose block table is passed with it, and its
+    blocks must still hold the tokens they held when it was filled (``ucm.integration.vllm.sparse_backend`` drops
+    entries whose blocks vLLM allocated again).
+    """
+
+    def __init__(self) -> None:
+        self.far_keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.num_far = 0
+        self.num_values = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (both buffers' capacity)."""
+        return sum(t.numel() * t.element_size() for t in (self.far_keys, self.values) if t is not None)
+
+    def append_values(self, new: torch.Tensor) -> None:
+        """Append the values of positions ``num_values ..`` (float32 ``[num_kv_heads, n, head_dim]``)."""
+        self.values = _appended(self.values, self.num_values, new)
+        self.num_values += new.shape[1]
+
+    def append_far_keys(self, new: torch.Tensor) -> None:
+        """Append the re-rotated keys of positions ``num_far ..`` (float32 ``[num_kv_heads, n, head_dim]``)."""
+        self.far_keys = _appended(self.far_keys, self.num_far, new)
+        self.num_far += new.shape[1]
+
+
+def _appended(buf: torch.Tensor | None, length: int, new: torch.Tensor) -> torch.Tensor:
+    """``buf`` (``[heads, capacity, dim]``, its first ``length`` rows valid) with ``new`` written after them: ``new``
+    itself when nothing is kept, else ``buf`` grown (at least doubled) when it is too short."""
+    if buf is None or length == 0:
+        return new
+    need = length + new.shape[1]
+    if buf.shape[1] < need:
+        grown = torch.empty((new.shape[0], max(need, 2 * buf.shape[1]), new.shape[2]), dtype=new.dtype)
+        grown[:, :length] = buf[:, :length]
+        buf = grown
+    buf[:, length:need] = new
+    return buf
 
 
 def _head_major(q: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
@@ -156,6 +208,7 @@ def rerope_paged_attention(
     neox: bool = True,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    request_kv: Sequence[RequestKV | None] | None = None,
 ) -> torch.Tensor:
     """Causal ReRoPE attention of a step's queries over one layer's paged KV (see the module docstring).
 
@@ -171,6 +224,8 @@ def rerope_paged_attention(
         rotary_dim: rotated channels (None: head_dim); base: ``rope_theta``; neox: GPT-NeoX rotation.
         scale: score scale (None: ``head_dim ** -0.5``).
         out: ``[num_tokens, num_heads, head_dim]`` written in place when given.
+        request_kv: per request, a :class:`RequestKV` kept from its earlier steps (extended in place here), or None
+            (every key gathered and re-rotated this call); None: none for any request.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype (``out`` when given).
@@ -192,42 +247,53 @@ def rerope_paged_attention(
         if q1 == q0:
             continue
         seq_len = int(seq_lens[r])
-        keys, values = _request_kv(kv_cache, layout, block_table[r], seq_len)  # [Hkv, L, D] each
-        far_keys = None
-        if seq_len - 1 >= window:  # some query-key distance reaches the window: keys 0..L-1-window are far for one
-            n_far = seq_len - window
-            cos, sin = _KEY_ANGLES.get(n_far, rotary_dim, base, inv_k)  # [n_far, 1, rotary_dim / 2]
-            far_keys = rotate_with(keys[:, :n_far], cos.view(1, n_far, -1), sin.view(1, n_far, -1), rotary_dim, neox)
+        first_query = seq_len - (q1 - q0)
+        n_far = max(0, seq_len - window)  # keys 0..n_far-1 are at least a window before the last query
+        entry = (request_kv[r] if request_kv is not None else None) or RequestKV()
+        # From the first query on, this step (re)writes the KV; far keys past n_far are not read.
+        entry.num_values = min(entry.num_values, first_query)
+        entry.num_far = min(entry.num_far, entry.num_values, n_far)
+        # Raw keys are read from `start`: the far keys not yet re-rotated, and the near band of the first query.
+        start = min(entry.num_far, max(0, first_query - window + 1))
+        keys, new_values = _request_kv(kv_cache, layout, block_table[r], start, seq_len)  # [Hkv, seq_len - start, D]
+        entry.append_values(new_values[:, entry.num_values - start :])
+        if n_far > entry.num_far:
+            lo = entry.num_far
+            cos, sin = _ANGLES.get(lo, n_far, rotary_dim, base, inv_k)  # [n_far - lo, 1, rotary_dim / 2]
+            cos, sin = cos.view(1, n_far - lo, -1), sin.view(1, n_far - lo, -1)  # keys are head-major
+            entry.append_far_keys(rotate_with(keys[:, lo - start : n_far - start], cos, sin, rotary_dim, neox))
+        far_keys, values = entry.far_keys, entry.values
+        assert values is not None
         for c0 in range(q0, q1, QUERY_CHUNK):
             c1 = min(q1, c0 + QUERY_CHUNK)
             n = c1 - c0
             p0, p1 = seq_len - (q1 - c0), seq_len - (q1 - c1)  # the chunk's query positions: p0 .. p1 - 1
-            q_pos = torch.arange(p0, p1, dtype=torch.float64)
             # Keys 0..p1-1 (causal); near: band_start..p1-1 (distance < window for some query); far: 0..far_end-1
             # (distance >= window for some query). Between band_start and far_end a key is near for some queries and
-            # far for others.
+            # far for others. A single query (decode) has no key of both kinds and no key after it.
             band_start, far_end = max(0, p0 - window + 1), max(0, p1 - window)
             # Grouped-query heads: query head h reads KV head h // group; rows of KV head h: (g, query) g-major.
             q = _head_major(query[c0:c1].to(torch.float32), num_kv_heads, group)  # [Hkv, G * n, D]
-            near = torch.matmul(q, keys[:, band_start:p1].transpose(1, 2)).view(num_kv_heads, group, n, -1)
+            near = torch.matmul(q, keys[:, band_start - start : p1 - start].transpose(1, 2))
+            near = near.view(num_kv_heads, group, n, p1 - band_start)
             if far_end == 0:
                 scores = near
             else:
                 assert far_keys is not None
-                q_far = rotate_by(query[c0:c1], window * (1 - inv_k) + q_pos * inv_k - q_pos, rotary_dim, base, neox)
+                cos, sin = _ANGLES.get(p0, p1, rotary_dim, base, inv_k, window * (1 - inv_k))  # a_i, see above
+                q_far = rotate_with(query[c0:c1], cos, sin, rotary_dim, neox)
                 far = torch.matmul(_head_major(q_far, num_kv_heads, group), far_keys[:, :far_end].transpose(1, 2))
                 far = far.view(num_kv_heads, group, n, far_end)
-                scores = torch.empty((num_kv_heads, group, n, p1), dtype=torch.float32)
-                scores[..., :band_start] = far[..., :band_start]
-                scores[..., band_start:] = near
+                scores = torch.cat((far[..., :band_start], near), dim=-1)  # [Hkv, G, n, p1]
                 if far_end > band_start:  # the keys both near and far: each query takes the one its distance picks
-                    d = q_pos[:, None] - torch.arange(band_start, far_end, dtype=torch.float64)[None, :]
+                    d = torch.arange(p0, p1)[:, None] - torch.arange(band_start, far_end)[None, :]
                     scores[..., band_start:far_end] = torch.where(
                         d < window, scores[..., band_start:far_end], far[..., band_start:far_end]
                     )
-            d = q_pos[:, None] - torch.arange(band_start, p1, dtype=torch.float64)[None, :]  # [n, p1 - band_start]
             scores.mul_(scale)
-            scores[..., band_start:].masked_fill_(d < 0, float("-inf"))
+            if n > 1:
+                d = torch.arange(p0, p1)[:, None] - torch.arange(band_start, p1)[None, :]  # [n, p1 - band_start]
+                scores[..., band_start:].masked_fill_(d < 0, float("-inf"))
             probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, p1)
             out_rows = torch.matmul(probs, values[:, :p1]).view(num_kv_heads, group, n, head_dim)
             result[c0:c1] = out_rows.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(result.dtype)
