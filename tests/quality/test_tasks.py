@@ -53,6 +53,20 @@ def test_passkey_prompts_hold_the_key_once_at_the_asked_length(smol_tokenizer):
     assert last.prompt.rindex(last.answer) > len(last.prompt) - 200
 
 
+def test_long_haystacks_repeat_the_text_and_multidoc_stops_where_documents_end(smol_tokenizer):
+    """A passkey prompt longer than the haystack sources (GPL-3 + GPL-2) repeats them, the key still once; a length
+    the document sources cannot fill has passkey items and no multidoc ones."""
+    from ucm.testing.texts import source_texts
+
+    sources = len(smol_tokenizer.encode("\n\n".join(source_texts()[:2]), add_special_tokens=False))
+    long = 3 * sources  # a quarter of it is longer than any licence text (multidoc's documents)
+    (it,) = passkey_items(smol_tokenizer, [long], [0.5], seed=3)
+    assert it.prompt.count(f"The pass key is {it.answer}.") == 1
+    assert long - 16 <= len(smol_tokenizer.encode(it.prompt, add_special_tokens=False)) <= long
+    suite = real_suite(smol_tokenizer, [long], short=True, seed=0, max_model_len=long + 64)
+    assert {i.task for i in suite if i.length == long} == {"passkey"}
+
+
 def test_multidoc_documents_share_context_and_differ_in_numbers(smol_tokenizer):
     items = multidoc_items(smol_tokenizer, [1500], seed=1)
     assert len(items) == 4

@@ -5,8 +5,8 @@ Three suites:
 
 - ``real`` (any text model, e.g. SmolLM2-135M-Instruct), built from the offline English text of
   ``ucm.testing.texts`` (licence texts of the machine). Text roles, by source order, so no text appears in two roles:
-  source 0 (then 1) is the passkey haystack, source 2 is held out for perplexity, the longest of sources 3.. are the
-  documents of multi-document QA.
+  source 0 (then 1, both repeated for long prompts) is the passkey haystack, source 2 is held out for perplexity,
+  the longest of sources 3.. are the documents of multi-document QA.
 
   - ``passkey``: passkey retrieval after Mohtashami & Jaggi 2023 ("Landmark Attention: Random-Access Infinite
     Context Length for Transformers", appendix prompt): a 5-digit pass key stated in one line inserted at relative
@@ -53,8 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ucm.logger import init_logger
 from ucm.quality.recall import RecallSpec, make_example
 from ucm.testing.texts import Tokenizer, source_texts
+
+logger = init_logger(__name__)
 
 Suite = Literal["real", "recall", "blend"]
 SUITES: tuple[Suite, ...] = ("real", "recall", "blend")
@@ -214,10 +217,11 @@ def _key(rng: random.Random) -> str:
 def passkey_items(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence[float], seed: int) -> list[EvalItem]:
     """Passkey retrieval prompts, one per (length, depth); see the module docstring.
 
-    Raises:
-        RuntimeError: the machine's text is too short for the longest haystack.
+    A haystack longer than its two sources repeats them, as the filler of Mohtashami & Jaggi's prompt repeats its
+    sentences.
     """
-    stream = tokenizer.encode("\n\n".join(source_texts()[:2]), add_special_tokens=False)
+    text = "\n\n".join(source_texts()[:2])
+    stream = tokenizer.encode(text, add_special_tokens=False)
     items = []
     for length in lengths:
         for depth in depths:
@@ -225,8 +229,10 @@ def passkey_items(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence
             key = _key(rng)
             needle = f"The pass key is {key}. Remember it. {key} is the pass key."
             n_hay = length - _budget(tokenizer, _PASSKEY_INTRO, needle, _PASSKEY_QUESTION) - 4
-            if n_hay > len(stream):
-                raise RuntimeError(f"passkey length {length} needs {n_hay} haystack tokens, the text has {len(stream)}")
+            copies = 1
+            while len(stream) < n_hay:
+                copies += 1
+                stream = tokenizer.encode("\n\n".join([text] * copies), add_special_tokens=False)
             body = _insert_line(tokenizer, stream[:n_hay], depth, needle)
             items.append(
                 EvalItem(
@@ -420,7 +426,8 @@ def real_suite(
     """The ``real`` suite: passkey at every (length, depth), multidoc at every length, perplexity segments.
 
     Lengths above ``max_model_len - ANSWER_TOKENS_REAL - 8`` are clipped to it (label kept: an "8192" prompt of an
-    8K-context model is ~8170 tokens, leaving room for the answer).
+    8K-context model is ~8170 tokens, leaving room for the answer). A length whose share per document is longer than
+    the machine's document sources gets no multidoc items (a warning says so); passkey covers every length.
     """
 
     def fit(length: int) -> int:
@@ -431,8 +438,12 @@ def real_suite(
     for length in lengths:
         for item in passkey_items(tokenizer, [fit(length)], depths, seed):
             items.append(_relabel(item, length))
-        for item in multidoc_items(tokenizer, [fit(length)], seed, questions=2 if short else NUM_DOCS):
-            items.append(_relabel(item, length))
+        try:
+            multidoc = multidoc_items(tokenizer, [fit(length)], seed, questions=2 if short else NUM_DOCS)
+        except RuntimeError as exc:  # the documents are too short for this length
+            logger.warning("quality: no multidoc items at length %d: %s", length, exc)
+            multidoc = []
+        items += [_relabel(item, length) for item in multidoc]
     items += perplexity_items(tokenizer, 256 if short else PERPLEXITY_TOKENS, 1 if short else 2)
     return items
 
