@@ -35,6 +35,8 @@ from ucm.kernels.layouts import KVLayout, cpu_attn_kv_views
 
 # Queries scored at once per request (bounds the [chunk, heads, keys] score matrices).
 QUERY_CHUNK = 256
+# Least rows a kept RequestKV buffer grows by.
+GROWTH_TOKENS = 256
 
 
 def check_rerope_args(
@@ -174,12 +176,13 @@ class RequestKV:
 
 def _appended(buf: torch.Tensor | None, length: int, new: torch.Tensor) -> torch.Tensor:
     """``buf`` (``[heads, capacity, dim]``, its first ``length`` rows valid) with ``new`` written after them: ``new``
-    itself when nothing is kept, else ``buf`` grown (at least doubled) when it is too short."""
+    itself when nothing is kept, else ``buf`` grown when it is too short, by an eighth or :data:`GROWTH_TOKENS`
+    rows, whichever is more (a copy every few hundred decode steps, and little spare room against the budget)."""
     if buf is None or length == 0:
         return new
     need = length + new.shape[1]
     if buf.shape[1] < need:
-        grown = torch.empty((new.shape[0], max(need, 2 * buf.shape[1]), new.shape[2]), dtype=new.dtype)
+        grown = torch.empty((new.shape[0], need + max(GROWTH_TOKENS, need // 8), new.shape[2]), dtype=new.dtype)
         grown[:, :length] = buf[:, :length]
         buf = grown
     buf[:, length:need] = new
