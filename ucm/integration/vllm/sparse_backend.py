@@ -6,10 +6,12 @@ overrides the ``CPU_ATTN`` member of vLLM's ``AttentionBackendEnum`` (the CPU pl
 with :class:`UcmCPUAttentionBackend`: vLLM's own CPU backend with its impl subclassed.
 
 Each layer's impl reads UCM's config from ``kv_connector_extra_config`` (when the connector is ``UCMConnector``).
-With no method on, ``forward`` is vLLM's, untouched (same metadata object, same kernel call). With ReRoPE on,
-vLLM's forward runs first (it also writes the step's KV), then the output rows of the requests longer than the
-window are recomputed with rectified positions (``ucm.kernels.rerope.torch``; rows no longer than the window are
-ReRoPE's already). A CacheBlend pass (its metadata a ``BlendPass``, see ``ucm.integration.vllm.blend``) gets its
+With no method on, ``forward`` is vLLM's, untouched (same metadata object, same kernel call). With ReRoPE on (vLLM
+writes the step's KV before ``forward``), the output rows of the requests longer than the window are computed with
+rectified positions (``ucm.kernels.rerope.torch``), each request's values and re-rotated far keys kept for its next
+step (:class:`KeptRequestKV`, checked against the block allocations UCMConnector reports, :class:`BlockAllocations`);
+vLLM's kernel runs only in steps that also have rows no longer than the window, which are ReRoPE's already. A
+CacheBlend pass (its metadata a ``BlendPass``, see ``ucm.integration.vllm.blend``) gets its
 attention from that pass instead of vLLM's kernel. With GSA on:
 
 - every step it marks the blocks written this step (``slot_mapping``) stale in the layer's summary table;

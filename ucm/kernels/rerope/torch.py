@@ -4,7 +4,7 @@ vLLM caches keys already rotated by their absolute positions, and the model hand
 theirs. ReRoPE (Su Jianlin, "Rectified Rotary Position Embeddings", 2023; bojone/rerope) needs, for a query at
 position ``i`` and a key at position ``j`` with ``d = i - j >= window``, the score at the relative position
 ``r = window + (d - window) / leaky_factor`` (``window`` for plain ReRoPE) instead of ``d``. Rotations compose
-(``R(a) R(b) = R(a + b)``), so this is re-rotation on the fly, with no second key copy in memory:
+(``R(a) R(b) = R(a + b)``), so this is re-rotation on the fly, with no second key copy in the KV cache:
 
 - near keys (``d < window``): ``q_i . k_j`` as cached (ordinary RoPE attention);
 - far keys: ``(R(a_i) q_i) . (R(b_j) k_j)`` with ``b_j = j / leaky_factor - j`` and ``a_i = window - window /
@@ -18,6 +18,10 @@ least ``window`` before its last query, so a prefill does about half the score w
 step scores ``window`` near keys instead of all of them. Rotation angles are computed in float64 (positions times
 inverse frequencies reach thousands of radians), the rotated vectors, scores and softmax in float32, the output in
 the query's dtype.
+
+A :class:`RequestKV` passed for a request keeps its values and re-rotated far keys from one call to the next (the
+re-rotation of key ``j`` depends on ``j`` only), so a decode step gathers and rotates only its new token and reads
+the near band's keys; without one every key is gathered and re-rotated. Both give the same result, bit for bit.
 
 Layouts: the CPU kernel variants' ``KVLayout.CPU_ATTN`` (``vec``, ``vec16``) and ``KVLayout.CPU_ATTN_AMX`` (``amx``),
 read through ``ucm.kernels.layouts.cpu_attn_kv_views`` (gathered per request into head-major float32 ``[num_kv_heads,
