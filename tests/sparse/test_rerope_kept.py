@@ -24,6 +24,17 @@ def _row(*blocks: int) -> torch.Tensor:
     return torch.tensor([*blocks, 0, 0], dtype=torch.int32)  # vLLM pads block-table rows
 
 
+def _kept_after_one_step(*blocks: int) -> tuple[BlockAllocations, KeptRequestKV, RequestKV]:
+    """A step that allocated ``blocks`` to a request of 300 tokens and kept its entry."""
+    allocations = BlockAllocations()
+    allocations.note(list(blocks))
+    kept = KeptRequestKV(1 << 20, allocations)
+    kv = _entry(300)
+    kept.put(kv, _row(*blocks), 300, BLOCK)
+    kept.end_step()
+    return allocations, kept, kv
+
+
 def test_nothing_is_kept_before_allocations_are_reported_or_without_a_budget() -> None:
     allocations = BlockAllocations()
     assert KeptRequestKV(1 << 20, allocations).take(_row(3, 4), 200, BLOCK) is None  # step 0: nothing reported
@@ -33,12 +44,7 @@ def test_nothing_is_kept_before_allocations_are_reported_or_without_a_budget() -
 
 
 def test_an_entry_comes_back_to_its_request_at_the_next_step() -> None:
-    allocations = BlockAllocations()
-    allocations.note([5, 6, 7])
-    kept = KeptRequestKV(1 << 20, allocations)
-    kv = _entry(300)
-    kept.put(kv, _row(5, 6, 7), 300, BLOCK)
-    kept.end_step()
+    allocations, kept, kv = _kept_after_one_step(5, 6, 7)
     allocations.note([])
     assert kept.take(_row(5, 6, 7), 300, BLOCK) is kv  # decode: the token before the query is in block 7
     # A request sharing the first blocks but not the block of the last token, or other blocks: not it.
@@ -53,12 +59,7 @@ def test_an_entry_comes_back_to_its_request_at_the_next_step() -> None:
 
 
 def test_a_block_allocated_again_voids_the_entries_that_hold_it() -> None:
-    allocations = BlockAllocations()
-    allocations.note([1, 2, 3])
-    kept = KeptRequestKV(1 << 20, allocations)
-    kv = _entry(300)
-    kept.put(kv, _row(1, 2, 3), 300, BLOCK)
-    kept.end_step()
+    allocations, kept, kv = _kept_after_one_step(1, 2, 3)
     # The request finished; the next step gives its blocks, in the same order, to a request whose KV the connector
     # loads (no slot_mapping writes): the same block-table row, other tokens.
     allocations.note([1, 2, 3])
