@@ -5,7 +5,8 @@ vLLM builds attention layers before any KV connector exists, so the wrapper come
 overrides the ``CPU_ATTN`` member of vLLM's ``AttentionBackendEnum`` (the CPU platform always picks that member)
 with :class:`UcmCPUAttentionBackend`: vLLM's own CPU backend with its impl subclassed.
 
-Each layer's impl reads UCM's config from ``kv_connector_extra_config`` (when the connector is ``UCMConnector``).
+Each layer's impl reads UCM's config from ``kv_connector_extra_config`` (:func:`sparse_config_of`: the connector is
+``UCMConnector``, or one of vLLM's ``MultiConnector``'s connectors is).
 With no method on, ``forward`` is vLLM's, untouched (same metadata object, same kernel call). With ReRoPE on (vLLM
 writes the step's KV before ``forward``), the output rows of the requests longer than the window are computed with
 rectified positions (``ucm.kernels.rerope.torch``), each request's values and re-rotated far keys kept for its next
@@ -69,27 +70,15 @@ logger = init_logger(__name__)
 
 BACKEND_PATH = "ucm.integration.vllm.sparse_backend.UcmCPUAttentionBackend"
 _UCM_CONNECTOR = "UCMConnector"
-_announced = False  # one info line per process at the first sparse decode step
+_said: set[str] = set()  # the one-off info lines this process has logged, by key
 
 
-def _announce(name: str, kept: int, total: int) -> None:
-    global _announced
-    if not _announced:
-        _announced = True
-        logger.info("sparse attention %s: first decode selection kept %d of %d blocks", name, kept, total)
-
-
-_announced_kept = False  # one info line per process when ReRoPE first reuses a request's kept KV
-
-
-def _announce_kept(layer_bytes: int) -> None:
-    global _announced_kept
-    if not _announced_kept:
-        _announced_kept = True
-        logger.info(
-            "ReRoPE: a step reused the values and far keys a request kept from its last step (%.1f MiB per layer)",
-            layer_bytes / 2**20,
-        )
+def _info_once(key: str, msg: str, *args: Any) -> None:
+    """Log ``msg % args`` at info level the first time this process asks with ``key`` (the first sparse decode
+    selection, the first reuse of ReRoPE's kept KV...)."""
+    if key not in _said:
+        _said.add(key)
+        logger.info(msg, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,17 +159,21 @@ def _expected_layout(vllm_config: Any, dtype: torch.dtype, head_size: int) -> KV
 _parsed: dict[str, UcmSparseConfig | None] = {}  # kv_connector_extra_config (JSON) -> its ucm_sparse_config
 
 
-def sparse_config_of(vllm_config: Any) -> UcmSparseConfig | None:
-    """``ucm_sparse_config`` from a vLLM config's ``kv_transfer_config``, when its connector is UCMConnector.
+def _ucm_extra_configs(connector: str | None, extra: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The ``kv_connector_extra_config`` of every UCMConnector in a transfer config: the connector itself, or the
+    children of vLLM's ``MultiConnector`` (``extra["connectors"]``, each a transfer-config dict), at any depth."""
+    extra = extra or {}
+    if connector == _UCM_CONNECTOR:
+        return [extra]
+    children = extra.get("connectors") if connector == "MultiConnector" else None
+    found: list[dict[str, Any]] = []
+    for child in children if isinstance(children, list) else []:
+        if isinstance(child, dict):
+            found += _ucm_extra_configs(child.get("kv_connector"), child.get("kv_connector_extra_config"))
+    return found
 
-    Parsed once per process and config (every attention layer asks). An invalid UCM config gives ``None`` here
-    (pass-through): UCMConnector, built after the model, refuses it at start with the full error message, so a bad
-    key is reported once, by the connector, whether or not it concerns sparse attention.
-    """
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    if transfer is None or transfer.kv_connector != _UCM_CONNECTOR:
-        return None
-    extra = transfer.kv_connector_extra_config
+
+def _parse_sparse(extra: dict[str, Any]) -> UcmSparseConfig | None:
     cache_key = json.dumps(extra, sort_keys=True, default=str)
     if cache_key not in _parsed:
         try:
@@ -189,6 +182,48 @@ def sparse_config_of(vllm_config: Any) -> UcmSparseConfig | None:
             logger.debug("attention wrapper: invalid UCM config, left to UCMConnector to report: %s", exc)
             _parsed[cache_key] = None
     return _parsed[cache_key]
+
+
+def sparse_config_of(vllm_config: Any) -> UcmSparseConfig | None:
+    """``ucm_sparse_config`` of the UCMConnector in a vLLM config's ``kv_transfer_config``: the connector itself or a
+    child of vLLM's ``MultiConnector`` (which builds each child from a copy of the config holding the child's
+    transfer config, so the child applies its ``ucm_sparse_config`` and the attention layers must too).
+
+    Parsed once per process and config (every attention layer asks). An invalid UCM config gives ``None`` here
+    (pass-through): UCMConnector, built after the model, refuses it at start with the full error message, so a bad
+    key is reported once, by the connector, whether or not it concerns sparse attention.
+
+    Raises:
+        UcmConfigError: a ``MultiConnector`` holds several UCMConnectors whose ``ucm_sparse_config`` differ (the
+            attention layers can apply one).
+    """
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None:
+        return None
+    extras = _ucm_extra_configs(transfer.kv_connector, transfer.kv_connector_extra_config)
+    configs = [_parse_sparse(extra) for extra in extras]
+    if any(cfg != configs[0] for cfg in configs[1:]):
+        raise UcmConfigError(
+            f"MultiConnector holds {len(configs)} UCMConnectors with different ucm_sparse_config "
+            f"({[None if cfg is None else cfg.model_dump(exclude_none=True) for cfg in configs]}); the attention "
+            "layers apply one, and each UCMConnector names its stored KV after its own: give them all the same "
+            "ucm_sparse_config"
+        )
+    return configs[0] if configs else None
+
+
+class _LayersBuilt:
+    """What the UCM attention layers of this process were built with (:func:`layers_sparse_config`)."""
+
+    count = 0
+    config: UcmSparseConfig | None = None
+
+
+def layers_sparse_config() -> tuple[int, UcmSparseConfig | None]:
+    """How many UCM attention layers this process built, and the ``ucm_sparse_config`` the last one applies
+    (:func:`sparse_config_of` of the config current then; every layer reads the same). UCMConnector's worker side,
+    built after the model, checks it against its own (``ucm.integration.vllm.ucm_connector``)."""
+    return _LayersBuilt.count, _LayersBuilt.config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +367,8 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
         self._rerope: _ReRoPE | None = None
         self._kept: KeptRequestKV | None = None  # ReRoPE's, for the requests' next steps
         cfg = sparse_config_of(get_current_vllm_config())
+        _LayersBuilt.count += 1
+        _LayersBuilt.config = cfg
         if cfg is not None and cfg.ReRoPE is not None:
             if self.attn_type == AttentionType.DECODER and self.sliding_window == -1 and self.sinks is None:
                 self._rerope = _rerope_of(cfg.ReRoPE, get_current_vllm_config(), self.head_size)
@@ -423,7 +460,12 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
             seq_len = int(md.seq_lens[r])
             entry = kept.take(md.block_table[r], seq_len - n, block_size)
             if entry is not None and entry.num_values:
-                _announce_kept(rr.keep_bytes)
+                _info_once(
+                    "rerope-kept",
+                    "ReRoPE: a step reused the values and far keys a request kept from its last step (%.1f MiB per "
+                    "layer)",
+                    rr.keep_bytes / 2**20,
+                )
             rerope_paged_attention(
                 query[q0:q1],
                 kv_cache,
@@ -512,8 +554,10 @@ def sparse_cpu_metadata(
         block_table[rows] = sel.block_table
         seq_lens = md.seq_lens.clone()
         seq_lens[rows] = sel.seq_lens
-    if not _announced or logger.isEnabledFor(logging.DEBUG):
-        _announce(method.name, int(sel.kept.sum()), int(sel.num_blocks.sum()))
+    if "selection" not in _said or logger.isEnabledFor(logging.DEBUG):
+        kept, total = int(sel.kept.sum()), int(sel.num_blocks.sum())
+        message = "sparse attention %s: first decode selection kept %d of %d blocks"
+        _info_once("selection", message, method.name, kept, total)
         logger.debug(
             "%s: rows %s kept %s of %s blocks",
             method.name,

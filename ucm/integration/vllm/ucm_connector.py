@@ -17,6 +17,7 @@ A block that fails to load is reported to vLLM, which recomputes it: UCM sets vL
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ucm.config import UcmConfig, UcmConfigError, config_from_extra_config
+from ucm.config import UcmConfig, UcmConfigError, UcmSparseConfig, config_from_extra_config
 from ucm.integration.vllm.engine_info import data_parallel_rank, detect_layout, kv_spec, namespace
 from ucm.integration.vllm.events import MIN_KNOWN_BLOCKS, KVEventTranslator, ResidencyBuffer, kv_events_enabled
 from ucm.integration.vllm.metadata import UCMConnectorMetadata, UCMWorkerMetadata
@@ -63,6 +64,30 @@ logger = init_logger(__name__)
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _logged_config = False
+
+
+def _check_layers_config(sparse: UcmSparseConfig | None) -> None:
+    """Refuse to start when the attention layers this process built apply another ``ucm_sparse_config`` than this
+    connector's (checked only where layers were built: the worker, after the model). The connector names the KV it
+    stores after its method (ReRoPE's namespace tag), so a mismatch would store one attention's KV under the other's
+    name.
+
+    Raises:
+        UcmConfigError: the layers apply another config (e.g. a connector wrapping UCMConnector in a way
+            ``sparse_config_of`` does not find).
+    """
+    backend = sys.modules.get("ucm.integration.vllm.sparse_backend")  # not imported: no UCM layer was built
+    built, applied = backend.layers_sparse_config() if backend is not None else (0, None)
+    if built and applied != sparse:
+
+        def shown(cfg: UcmSparseConfig | None) -> Any:
+            return None if cfg is None else cfg.model_dump(exclude_none=True)
+
+        raise UcmConfigError(
+            f"UCMConnector's ucm_sparse_config is {shown(sparse)}, but the model's attention layers apply "
+            f"{shown(applied)}: they read it from the engine's kv_transfer_config, where UCMConnector must be the "
+            "connector or a child of vLLM's MultiConnector"
+        )
 
 
 def _check_sparse_backend() -> None:
@@ -119,6 +144,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         _log_config_once(self._ucm_config)
         if role == KVConnectorRole.WORKER and self._ucm_config.ucm_sparse_config is not None:
             _check_sparse_backend()
+        if role == KVConnectorRole.WORKER:
+            _check_layers_config(self._ucm_config.ucm_sparse_config)
         self._spec = kv_spec(kv_cache_config)
         # ReRoPE changes the KV of later layers past its window: such blocks get a namespace of their own.
         sparse = self._ucm_config.ucm_sparse_config
