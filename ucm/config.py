@@ -446,7 +446,8 @@ class ReRoPEConfig(_Strict):
         allow_inf_nan=False,
         description="DRAM (GiB per worker, shared evenly by the attention layers) that keeps the running requests' "
         "values and re-rotated far keys (float32) from one step to the next, so a decode step reads only its new "
-        "tokens; requests beyond it are recomputed whole every step (0: keep nothing). Not part of the KV cache.",
+        "tokens and the near band's keys; requests beyond it are recomputed whole every step (0: keep nothing). Not "
+        "part of the KV cache.",
     )
 
     @field_validator("leaky_factor", mode="before")

@@ -221,7 +221,7 @@ def passkey_items(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence
     sentences.
     """
     text = "\n\n".join(source_texts()[:2])
-    stream = tokenizer.encode(text, add_special_tokens=False)
+    stream, copies = tokenizer.encode(text, add_special_tokens=False), 1  # the haystack: ``copies`` times ``text``
     items = []
     for length in lengths:
         for depth in depths:
@@ -229,7 +229,6 @@ def passkey_items(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence
             key = _key(rng)
             needle = f"The pass key is {key}. Remember it. {key} is the pass key."
             n_hay = length - _budget(tokenizer, _PASSKEY_INTRO, needle, _PASSKEY_QUESTION) - 4
-            copies = 1
             while len(stream) < n_hay:
                 copies += 1
                 stream = tokenizer.encode("\n\n".join([text] * copies), add_special_tokens=False)
@@ -248,33 +247,65 @@ def passkey_items(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence
     return items
 
 
+@dataclass(frozen=True)
+class _MultidocPlan:
+    """One length's multidoc layout: the documents' numbers, fact lines and headers, the question template (``{j}``:
+    the document asked), and the tokens each document gets (``per_doc``)."""
+
+    rng: random.Random  # seeded for the length; drawn on for the facts' depths
+    numbers: list[str]
+    facts: list[str]
+    headers: list[str]
+    question: str
+    per_doc: int
+
+
+def _multidoc_plan(tokenizer: Tokenizer, length: int, seed: int, num_docs: int) -> _MultidocPlan:
+    rng = seeded_rng(f"{seed}-multidoc-{length}")
+    numbers = [_key(rng) for _ in range(num_docs)]
+    question = "\n\nQuestion: What is the reference number of Document {j}?\nAnswer: The reference number of "
+    question += "Document {j} is"
+    facts = [f"The reference number of Document {i + 1} is {numbers[i]}." for i in range(num_docs)]
+    headers = [f"Document {i + 1}:\n" for i in range(num_docs)]
+    overhead = _budget(tokenizer, _MULTIDOC_INTRO, question.format(j=1), *facts, *headers) + 2 * num_docs + 4
+    return _MultidocPlan(rng, numbers, facts, headers, question, (length - overhead) // num_docs)
+
+
+def multidoc_fits(tokenizer: Tokenizer, length: int, seed: int, num_docs: int = NUM_DOCS) -> bool:
+    """Whether the machine's document sources are long enough for :func:`multidoc_items` at ``length``.
+
+    Raises:
+        RuntimeError: fewer than ``num_docs`` document sources.
+    """
+    shortest = min(
+        len(tokenizer.encode(text, add_special_tokens=False)) for text in _document_sources("multidoc", num_docs)
+    )
+    return _multidoc_plan(tokenizer, length, seed, num_docs).per_doc <= shortest
+
+
 def multidoc_items(
     tokenizer: Tokenizer, lengths: Sequence[int], seed: int, num_docs: int = NUM_DOCS, questions: int = NUM_DOCS
 ) -> list[EvalItem]:
     """Multi-document QA prompts: per length, ``num_docs`` documents and ``questions`` questions (documents 1..).
 
     Raises:
-        RuntimeError: fewer than ``num_docs`` document sources, or a source too short for its share of a length.
+        RuntimeError: fewer than ``num_docs`` document sources, or a source too short for its share of a length
+            (:func:`multidoc_fits` says beforehand).
     """
     sources = _document_sources("multidoc", num_docs)
     items = []
     for length in lengths:
-        rng = seeded_rng(f"{seed}-multidoc-{length}")
-        numbers = [_key(rng) for _ in range(num_docs)]
-        question = "\n\nQuestion: What is the reference number of Document {j}?\nAnswer: The reference number of "
-        question += "Document {j} is"
-        facts = [f"The reference number of Document {i + 1} is {numbers[i]}." for i in range(num_docs)]
-        headers = [f"Document {i + 1}:\n" for i in range(num_docs)]
-        overhead = _budget(tokenizer, _MULTIDOC_INTRO, question.format(j=1), *facts, *headers) + 2 * num_docs + 4
-        per_doc = (length - overhead) // num_docs
+        plan = _multidoc_plan(tokenizer, length, seed, num_docs)
         docs = []
         for i in range(num_docs):
             ids = tokenizer.encode(sources[i], add_special_tokens=False)
-            if per_doc > len(ids):
+            if plan.per_doc > len(ids):
                 raise RuntimeError(
-                    f"multidoc length {length} needs {per_doc} tokens per document, a source has {len(ids)}"
+                    f"multidoc length {length} needs {plan.per_doc} tokens per document, a source has {len(ids)}"
                 )
-            docs.append(headers[i] + _insert_line(tokenizer, ids[:per_doc], rng.random(), facts[i]))
+            docs.append(
+                plan.headers[i] + _insert_line(tokenizer, ids[: plan.per_doc], plan.rng.random(), plan.facts[i])
+            )
         context = _MULTIDOC_INTRO + "\n\n".join(docs)
         for j in range(questions):
             items.append(
@@ -282,8 +313,8 @@ def multidoc_items(
                     id=f"multidoc-L{length}-doc{j + 1}",
                     task="multidoc",
                     length=length,
-                    prompt=context + question.format(j=j + 1),
-                    answer=numbers[j],
+                    prompt=context + plan.question.format(j=j + 1),
+                    answer=plan.numbers[j],
                     max_tokens=ANSWER_TOKENS_REAL,
                 )
             )
@@ -438,12 +469,11 @@ def real_suite(
     for length in lengths:
         for item in passkey_items(tokenizer, [fit(length)], depths, seed):
             items.append(_relabel(item, length))
-        try:
+        if multidoc_fits(tokenizer, fit(length), seed):
             multidoc = multidoc_items(tokenizer, [fit(length)], seed, questions=2 if short else NUM_DOCS)
-        except RuntimeError as exc:  # the documents are too short for this length
-            logger.warning("quality: no multidoc items at length %d: %s", length, exc)
-            multidoc = []
-        items += [_relabel(item, length) for item in multidoc]
+            items += [_relabel(item, length) for item in multidoc]
+        else:
+            logger.warning("quality: no multidoc items at length %d: the documents are shorter than its share", length)
     items += perplexity_items(tokenizer, 256 if short else PERPLEXITY_TOKENS, 1 if short else 2)
     return items
 
