@@ -8,7 +8,8 @@ Run::
         [--docs 4] [--orders 3] [--questions Q] [--ratios 0,0.05,0.15,0.3,1] [--no-prefix-only]
         [--chunk-end '<file_sep>'] [--check-layer model.layers.1.self_attn.attn] [--chunk-context none|first_chunk]
         [--dtype float32]
-        [--block-size 32] [--seed 0] [--work-dir DIR] [--out results.json]
+        [--block-size 32] [--seed 0 | --seeds 0-39] [--work-dir DIR] [--out results.json]
+    .venv/bin/python benchmarks/blend_quality.py --pool seed0.json seed1.json ...
 
 What runs: ``ucm.quality.blend.run_blend_quality`` (its module docstring: the modes, the store-primed pass, the
 configs). Prompts: the quality harness's ``blend`` task (``ucm.quality.tasks.blend_items``): per length ``--docs``
@@ -16,6 +17,13 @@ real documents, each with a fact line "The reference number of Document k is N."
 it stands, each ended by ``--chunk-end``, in ``--orders`` distinct seeded orders, then "What is the reference number
 of Document k?" (``--questions`` per order, default every document). Exact match: the first number of the answer is
 N; F1: SQuAD's token F1 of the answer sentence (``ucm.quality.tasks.answer_f1``).
+
+With ``--seeds`` (a range ``A-B`` or a comma-separated list) the comparison runs once per seed (other orders,
+numbers and questions each time), each seed's report written to ``--work-dir`` (``seed<S>.json``) when given, and
+the summary pools them (``ucm.quality.blend.pool_reports``): right answers per mode and seed, and against full
+prefill the ratio of right answers with a 95% bootstrap interval over the questions, resampled in pairs. A model of
+SmolLM2's size flips single answers both ways under any change of its KV, so one seed (24 questions) cannot tell
+94% from 98%; ``--pool`` pools reports saved by earlier runs (``--out`` of single-seed runs) without running.
 
 Printed: one table row per mode as its engine finishes (EM, F1, exact-match rate of the generated tokens against
 full prefill, and for Blend the scored prompts' reused and recomputed tokens and the chunks they had to compute, 0
@@ -27,6 +35,7 @@ then the whole report as one JSON line, the last line. Exit status 0 when the ru
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -38,7 +47,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.common import emit_summary, load_avg, machine_info  # noqa: E402
 from ucm.config import ChunkContext  # noqa: E402
-from ucm.quality.blend import CHECK_LAYER, RATIOS, modes, run_blend_quality  # noqa: E402
+from ucm.quality.blend import CHECK_LAYER, RATIOS, modes, pool_reports, run_blend_quality  # noqa: E402
 from ucm.quality.harness import DTYPES  # noqa: E402
 from ucm.quality.tasks import BLEND_CHUNK_END, NUM_DOCS  # noqa: E402
 
@@ -79,6 +88,42 @@ def target_line(report: dict[str, Any]) -> str | None:
     )
 
 
+def _seed_list(text: str) -> list[int]:
+    """``"0-39"`` or ``"0,3,7"``: the seeds, in order, each once."""
+    try:
+        if "-" in text.strip("-"):
+            first, last = (int(x) for x in text.split("-"))
+            seeds = list(range(first, last + 1))
+        else:
+            seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a range A-B or comma-separated seeds") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected at least one seed, each once")
+    return seeds
+
+
+def pooled_lines(pooled: dict[str, Any]) -> list[str]:
+    """The pooled sample as text: right answers per mode, and each mode's ratio to full prefill with its interval."""
+    lines = [f"{len(pooled['seeds'])} seeds, {pooled['questions']} questions; right answers:"]
+    for name, right in pooled["right"].items():
+        vs = (pooled.get("vs_full") or {}).get(name)
+        extra = (
+            f"  / full {vs['ratio']:.3f}, 95% interval [{vs['low']:.3f}, {vs['high']:.3f}]; only full right "
+            f"{vs['only_full_right']}, only this right {vs['only_this_right']}"
+            if vs
+            else ""
+        )
+        lines.append(f"  {name:12s} {right:5d}{extra}")
+    t = pooled.get("target")
+    if t is not None:
+        lines.append(
+            f"target: ratio {t['ratio']}: {t['accuracy_vs_full']:.3f} of full prefill's right answers (>= "
+            f"{t['fraction']}): {'met' if t['met'] else 'NOT met'}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' (built into --models-dir) or a model directory")
@@ -96,10 +141,22 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size (the store's unit)")
-    p.add_argument("--seed", type=int, default=0)
+    one_or_many = p.add_mutually_exclusive_group()
+    one_or_many.add_argument("--seed", type=int, default=0)
+    one_or_many.add_argument(
+        "--seeds", type=_seed_list, default=None, help="run every seed of a range A-B or list, and pool"
+    )
+    p.add_argument("--pool", type=Path, nargs="+", default=None, help="pool these saved reports; run nothing")
     p.add_argument("--work-dir", type=Path, default=None, help="keep engine logs, configs and stores here")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
     args = p.parse_args(argv)
+    if args.pool is not None:
+        try:
+            pooled = pool_reports([_read_report(path) for path in args.pool])
+        except (OSError, ValueError, KeyError) as err:
+            p.error(f"--pool: {err}")
+        print("\n".join(pooled_lines(pooled)))
+        return emit_summary({"benchmark": "blend_quality", "pooled": pooled}, args.out)
     if args.model == "smollm2":
         from ucm.testing.models import ensure_smollm2
 
@@ -118,31 +175,54 @@ def main(argv: list[str] | None = None) -> int:
         printed.append(name)
         print(row(name, entry), flush=True)
 
-    try:
-        report = run_blend_quality(
-            model,
-            lengths=args.lengths,
-            mode_list=modes(args.ratios, prefix_only=not args.no_prefix_only),
-            num_docs=args.docs,
-            orders=args.orders,
-            questions=args.questions,
-            chunk_end=args.chunk_end,
-            check_layer=args.check_layer,
-            chunk_context=args.chunk_context,
-            seed=args.seed,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            work_dir=args.work_dir,
-            progress=progress,
-        )
-    except ValueError as err:  # bad ratios, lengths, chunk-end text, dtype
-        p.error(str(err))
-    report["machine"] = machine_info(load_start)
-    report["wall_s"] = round(time.perf_counter() - t0, 1)
-    line = target_line(report)
-    if line is not None:
-        print(line)
-    return emit_summary(report, args.out)
+    reports = []
+    for seed in args.seeds or [args.seed]:
+        if args.seeds:
+            print(f"seed {seed}:", flush=True)
+            printed.clear()
+        work_dir = args.work_dir / f"seed{seed}" if args.work_dir and args.seeds else args.work_dir
+        try:
+            report = run_blend_quality(
+                model,
+                lengths=args.lengths,
+                mode_list=modes(args.ratios, prefix_only=not args.no_prefix_only),
+                num_docs=args.docs,
+                orders=args.orders,
+                questions=args.questions,
+                chunk_end=args.chunk_end,
+                check_layer=args.check_layer,
+                chunk_context=args.chunk_context,
+                seed=seed,
+                dtype=args.dtype,
+                block_size=args.block_size,
+                work_dir=work_dir,
+                progress=progress,
+            )
+        except ValueError as err:  # bad ratios, lengths, chunk-end text, dtype
+            p.error(str(err))
+        line = target_line(report)
+        if line is not None:
+            print(line, flush=True)
+        if args.seeds and args.work_dir:
+            (args.work_dir / f"seed{seed}.json").write_text(json.dumps(report) + "\n")
+        reports.append(report)
+    if args.seeds:
+        pooled = pool_reports(reports)
+        print("\n".join(pooled_lines(pooled)))
+        summary: dict[str, Any] = {"benchmark": "blend_quality", "pooled": pooled}
+    else:
+        summary = reports[0]
+    summary["machine"] = machine_info(load_start)
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    return emit_summary(summary, args.out)
+
+
+def _read_report(path: Path) -> dict[str, Any]:
+    """A single-seed report saved by ``--out`` (or ``seed<S>.json`` of ``--seeds --work-dir``)."""
+    report = json.loads(path.read_text().strip().splitlines()[-1])
+    if "modes" not in report or "seed" not in report:
+        raise ValueError(f"{path} is not a single-seed report of this script (no 'modes' or 'seed')")
+    return report
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ from ucm.quality.blend import (
     blend_totals,
     chunk_end_token_id,
     modes,
+    paired_ratio_interval,
     parse_blends,
+    pool_reports,
     primers,
     run_blend_quality,
     ucm_config,
@@ -261,3 +263,63 @@ def test_ratio_one_answers_as_full_prefill(tmp_path):
     assert totals["chunks_computed"] == 0 and totals["primer_chunks_computed"] == 3
     assert totals["reused_tokens"] > 0.7 * totals["blended_tokens"]  # the documents' full blocks came from the store
     assert math.isclose(totals["recomputed_tokens"], totals["blended_tokens"])  # ratio 1: every token
+
+
+def test_paired_ratio_interval():
+    same = [True, False, True, True] * 10
+    assert paired_ratio_interval(same, same) == {"ratio": 1.0, "low": 1.0, "high": 1.0, "share_at_target": 1.0}
+    # 40 questions: the other mode loses 4 of the baseline's 30 right answers and gains 1
+    base = [True] * 30 + [False] * 10
+    other = [False] * 4 + [True] * 26 + [True] + [False] * 9
+    got = paired_ratio_interval(base, other)
+    assert got["ratio"] == 27 / 30
+    assert 0.75 < got["low"] < 0.9 < got["high"] < 1.1 and 0 < got["share_at_target"] < 0.2
+    assert paired_ratio_interval(base, other) == got  # seeded
+    # pairing: the same flips among 4x the questions give an interval about half as wide
+    wide = paired_ratio_interval(base * 4, other * 4)
+    assert wide["ratio"] == got["ratio"] and wide["high"] - wide["low"] < 0.6 * (got["high"] - got["low"])
+    with pytest.raises(ValueError, match="3 baseline and 2 other"):
+        paired_ratio_interval([True] * 3, [True] * 2)
+    with pytest.raises(ValueError, match="answered no question right"):
+        paired_ratio_interval([False] * 3, [True] * 3)
+
+
+def _report(seed: int, full: list[bool], blend: list[bool], **settings) -> dict:
+    ids = [f"blend-L400-o0-doc{i + 1}" for i in range(len(full))]
+    return {
+        "seed": seed,
+        "model": "m",
+        "dtype": "float32",
+        "block_size": 32,
+        "lengths": [400],
+        "num_docs": 4,
+        "orders": 1,
+        "chunk_end": "<file_sep>",
+        "check_layer": "model.layers.1.self_attn.attn",
+        "chunk_context": "none",
+        **settings,
+        "modes": {
+            "full": {"correct": dict(zip(ids, full, strict=True))},
+            "blend_0.15": {"correct": dict(zip(ids, blend, strict=True))},
+        },
+    }
+
+
+def test_pool_reports_pairs_questions_across_seeds():
+    a = _report(0, [True, True, False, True], [True, False, False, True])
+    b = _report(3, [True, False, True, True], [True, True, True, True])
+    pooled = pool_reports([a, b])
+    assert pooled["seeds"] == [0, 3] and pooled["questions"] == 8
+    assert pooled["right"] == {"full": 6, "blend_0.15": 6}
+    assert pooled["right_per_seed"] == {"full": {0: 3, 3: 3}, "blend_0.15": {0: 2, 3: 4}}
+    vs = pooled["vs_full"]["blend_0.15"]
+    assert (vs["ratio"], vs["only_full_right"], vs["only_this_right"]) == (1.0, 1, 1)
+    assert pooled["target"]["met"] and pooled["target"]["interval"] == [vs["low"], vs["high"]]
+    with pytest.raises(ValueError, match=r"seeds \[0, 0\] name one seed twice"):
+        pool_reports([a, a])
+    with pytest.raises(ValueError, match=r"seed 3's report differs from seed 0's in \['check_layer'\]"):
+        pool_reports([a, _report(3, [True], [True], check_layer="model.layers.3.self_attn.attn")])
+    with pytest.raises(ValueError, match="no report"):
+        pool_reports([])
+    nothing_right = pool_reports([_report(0, [False, False], [True, False])])
+    assert nothing_right["right"] == {"full": 0, "blend_0.15": 1} and "vs_full" not in nothing_right

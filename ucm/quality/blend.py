@@ -319,3 +319,103 @@ def target(report: dict[str, Any]) -> dict[str, Any] | None:
         "f1_vs_full": f1 / full_f1 if full_f1 else None,
         "met": em >= TARGET_FRACTION * full_em and f1 >= TARGET_FRACTION * full_f1,
     }
+
+
+def paired_ratio_interval(
+    baseline: Sequence[bool], other: Sequence[bool], draws: int = 20_000, seed: int = 0
+) -> dict[str, float]:
+    """How precisely a sample of questions gives ``other``'s accuracy as a fraction of ``baseline``'s: the ratio of
+    their right answers, and its 95% percentile-bootstrap interval from resampling the questions *in pairs* (both
+    modes answered the same questions, so what varies between questions cancels out).
+
+    Args:
+        baseline / other: per question (the same questions, in the same order), whether each mode answered right.
+        draws: bootstrap resamples; seed: their generator's (numpy's ``default_rng``).
+
+    Returns:
+        ``ratio``, ``low`` and ``high`` (the interval's 2.5% and 97.5% percentiles), and ``share_at_target``: the
+        fraction of the draws whose ratio reaches ``TARGET_FRACTION``.
+
+    Raises:
+        ValueError: the sequences differ in length, are empty, or the baseline answered none right.
+    """
+    import numpy as np
+
+    if len(baseline) != len(other) or not baseline:
+        raise ValueError(f"paired answers: {len(baseline)} baseline and {len(other)} other; need the same number > 0")
+    if not any(baseline):
+        raise ValueError("paired answers: the baseline answered no question right; the ratio is undefined")
+    pairs = np.stack([np.asarray(baseline, dtype=np.int64), np.asarray(other, dtype=np.int64)])
+    picks = np.random.default_rng(seed).integers(0, pairs.shape[1], size=(draws, pairs.shape[1]))
+    right = pairs[:, picks].sum(axis=2)  # [2, draws]
+    ratios = right[1] / np.maximum(right[0], 1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return {
+        "ratio": float(pairs[1].sum() / pairs[0].sum()),
+        "low": float(low),
+        "high": float(high),
+        "share_at_target": float((ratios >= TARGET_FRACTION).mean()),
+    }
+
+
+def pool_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several seeds' reports (:func:`run_blend_quality`, the same settings but the seed) as one sample: per mode,
+    the right answers per seed and in all, and against full prefill the paired ratio with its interval
+    (:func:`paired_ratio_interval`) over every question of every seed (left out where full prefill ran nowhere or
+    answered nothing right).
+
+    Raises:
+        ValueError: no report, a seed given twice, reports whose settings other than the seed differ, or modes or
+            questions that differ between a report's modes.
+    """
+    if not reports:
+        raise ValueError("pool: no report given")
+    seeds = [r["seed"] for r in reports]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"pool: seeds {seeds} name one seed twice")
+    keys = ("model", "dtype", "block_size", "lengths", "num_docs", "orders", "chunk_end", "check_layer")
+    settings = [{k: r.get(k) for k in (*keys, "chunk_context")} for r in reports]
+    for seed, setting in zip(seeds, settings, strict=True):
+        if setting != settings[0]:
+            changed = sorted(k for k in setting if setting[k] != settings[0][k])
+            raise ValueError(f"pool: seed {seed}'s report differs from seed {seeds[0]}'s in {changed}")
+    names = list(reports[0]["modes"])
+    correct: dict[str, list[bool]] = {name: [] for name in names}
+    per_seed: dict[str, dict[int, int]] = {name: {} for name in names}
+    for seed, report in zip(seeds, reports, strict=True):
+        if list(report["modes"]) != names:
+            raise ValueError(f"pool: seed {seed} ran modes {list(report['modes'])}, seed {seeds[0]} {names}")
+        ids = list(report["modes"][names[0]]["correct"])
+        for name in names:
+            answers = report["modes"][name]["correct"]
+            if list(answers) != ids:
+                raise ValueError(f"pool: seed {seed}'s mode {name} answered other questions than its {names[0]}")
+            correct[name] += [bool(answers[i]) for i in ids]
+            per_seed[name][seed] = sum(bool(v) for v in answers.values())
+    pooled: dict[str, Any] = {
+        "seeds": seeds,
+        "questions": len(correct[names[0]]),
+        "settings": settings[0],
+        "right": {name: sum(v) for name, v in correct.items()},
+        "right_per_seed": per_seed,
+    }
+    if any(correct.get("full", ())):  # no right full-prefill answer (a random model): no ratio to give
+        pooled["vs_full"] = {
+            name: {
+                **paired_ratio_interval(correct["full"], answers),
+                "only_full_right": sum(f and not o for f, o in zip(correct["full"], answers, strict=True)),
+                "only_this_right": sum(o and not f for f, o in zip(correct["full"], answers, strict=True)),
+            }
+            for name, answers in correct.items()
+            if name != "full"
+        }
+        at_target = pooled["vs_full"].get(f"blend_{TARGET_RATIO:g}")
+        if at_target is not None:
+            pooled["target"] = {
+                "ratio": TARGET_RATIO,
+                "fraction": TARGET_FRACTION,
+                "accuracy_vs_full": at_target["ratio"],
+                "interval": [at_target["low"], at_target["high"]],
+                "met": at_target["ratio"] >= TARGET_FRACTION,
+            }
+    return pooled
