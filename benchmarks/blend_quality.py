@@ -104,7 +104,8 @@ def _seed_list(text: str) -> list[int]:
 
 
 def pooled_lines(pooled: dict[str, Any]) -> list[str]:
-    """The pooled sample as text: right answers per mode, and each mode's ratio to full prefill with its interval."""
+    """The pooled sample as text: right answers per mode, each mode's ratio to full prefill with its interval, and
+    the right answers by the asked document's position."""
     lines = [f"{len(pooled['seeds'])} seeds, {pooled['questions']} questions; right answers:"]
     for name, right in pooled["right"].items():
         vs = (pooled.get("vs_full") or {}).get(name)
@@ -115,6 +116,11 @@ def pooled_lines(pooled: dict[str, Any]) -> list[str]:
             else ""
         )
         lines.append(f"  {name:12s} {right:5d}{extra}")
+    depths = pooled.get("right_by_depth") or {}
+    if any(depths.values()):
+        lines.append("right answers by the asked document's position (0.00 first, 1.00 last):")
+        for name, cells in depths.items():
+            lines.append(f"  {name:12s} " + ", ".join(f"{d}: {r}/{n}" for d, (r, n) in cells.items()))
     t = pooled.get("target")
     if t is not None:
         lines.append(

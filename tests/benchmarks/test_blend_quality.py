@@ -37,6 +37,9 @@ def test_seeds_are_run_saved_and_pooled(tiny_model: Path, tmp_path: Path) -> Non
         per_seed = [sum(r["modes"][name]["correct"].values()) for r in reports]
         assert pooled["right_per_seed"][name] == {"0": per_seed[0], "1": per_seed[1]}
         assert pooled["right"][name] == sum(per_seed)
+        by_depth = pooled["right_by_depth"][name]  # two documents: the first and the last
+        assert set(by_depth) <= {"0.00", "1.00"} and sum(n for _, n in by_depth.values()) == 2
+        assert sum(r for r, _ in by_depth.values()) == pooled["right"][name]
     assert reports[0]["modes"]["blend_0.15"]["blend"]["chunks_computed"] == 0  # the primer stored both documents
     assert "seed 0:" in run.stdout and "seed 1:" in run.stdout and "2 seeds, 2 questions" in run.stdout
     if pooled["right"]["full"]:  # a random model may answer nothing right: then there is no ratio

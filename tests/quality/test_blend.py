@@ -298,6 +298,7 @@ def _report(seed: int, full: list[bool], blend: list[bool], **settings) -> dict:
         "check_layer": "model.layers.1.self_attn.attn",
         "chunk_context": "none",
         **settings,
+        "depths": {item: i / max(1, len(ids) - 1) for i, item in enumerate(ids)},
         "modes": {
             "full": {"correct": dict(zip(ids, full, strict=True))},
             "blend_0.15": {"correct": dict(zip(ids, blend, strict=True))},
@@ -312,6 +313,10 @@ def test_pool_reports_pairs_questions_across_seeds():
     assert pooled["seeds"] == [0, 3] and pooled["questions"] == 8
     assert pooled["right"] == {"full": 6, "blend_0.15": 6}
     assert pooled["right_per_seed"] == {"full": {0: 3, 3: 3}, "blend_0.15": {0: 2, 3: 4}}
+    assert pooled["right_by_depth"] == {
+        "full": {"0.00": [2, 2], "0.33": [1, 2], "0.67": [1, 2], "1.00": [2, 2]},
+        "blend_0.15": {"0.00": [2, 2], "0.33": [1, 2], "0.67": [1, 2], "1.00": [2, 2]},
+    }
     vs = pooled["vs_full"]["blend_0.15"]
     assert (vs["ratio"], vs["only_full_right"], vs["only_this_right"]) == (1.0, 1, 1)
     assert pooled["target"]["met"] and pooled["target"]["interval"] == [vs["low"], vs["high"]]

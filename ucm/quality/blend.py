@@ -298,6 +298,7 @@ def run_blend_quality(
         "num_prompts": len(items),
         "num_primers": len(first),
         "prompt_tokens": {it.id: r.num_prompt_tokens for it, r in zip(items, base.results, strict=True)},
+        "depths": {it.id: it.depth for it in items},  # the asked document's position: first 0, last 1
         "modes": entries,
     }
     report["target"] = target(report)
@@ -360,9 +361,10 @@ def paired_ratio_interval(
 
 def pool_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several seeds' reports (:func:`run_blend_quality`, the same settings but the seed) as one sample: per mode,
-    the right answers per seed and in all, and against full prefill the paired ratio with its interval
-    (:func:`paired_ratio_interval`) over every question of every seed (left out where full prefill ran nowhere or
-    answered nothing right).
+    the right answers per seed, per position of the asked document (``right_by_depth``: ``"0.00"`` the first,
+    ``"1.00"`` the last, each ``[right, asked]``; from reports that list ``depths``) and in all, and against full
+    prefill the paired ratio with its interval (:func:`paired_ratio_interval`) over every question of every seed
+    (left out where full prefill ran nowhere or answered nothing right).
 
     Raises:
         ValueError: no report, a seed given twice, reports whose settings other than the seed differ, or modes or
@@ -392,12 +394,22 @@ def pool_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"pool: seed {seed}'s mode {name} answered other questions than its {names[0]}")
             correct[name] += [bool(answers[i]) for i in ids]
             per_seed[name][seed] = sum(bool(v) for v in answers.values())
+    by_depth: dict[str, dict[str, list[int]]] = {name: {} for name in names}  # [right, asked] per position
+    for report in reports:
+        for name in names:
+            for item, right in report["modes"][name]["correct"].items():
+                depth = report.get("depths", {}).get(item)
+                if depth is not None:
+                    cell = by_depth[name].setdefault(f"{depth:.2f}", [0, 0])
+                    cell[0] += bool(right)
+                    cell[1] += 1
     pooled: dict[str, Any] = {
         "seeds": seeds,
         "questions": len(correct[names[0]]),
         "settings": settings[0],
         "right": {name: sum(v) for name, v in correct.items()},
         "right_per_seed": per_seed,
+        "right_by_depth": {name: dict(sorted(cells.items())) for name, cells in by_depth.items()},
     }
     if any(correct.get("full", ())):  # no right full-prefill answer (a random model): no ratio to give
         pooled["vs_full"] = {
