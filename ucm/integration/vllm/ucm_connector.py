@@ -123,7 +123,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over a UCM store pipeline (see the module docstring).
 
     Raises (at construction):
-        UcmConfigError: the UCM config is invalid or its file is missing.
+        UcmConfigError: the UCM config is invalid or its file is missing, or (worker) the model's attention layers
+            apply another ``ucm_sparse_config`` than this connector's.
         ValueError: ``kv_role`` is not one of kv_both, kv_producer, kv_consumer, or ``UC_LOGGER_LEVEL`` is not a log
             level (debug, info, warning, error).
         UnsupportedEngineError: the engine's KV cache is not one UCM handles.
