@@ -375,8 +375,18 @@ def pool_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     seeds = [r["seed"] for r in reports]
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"pool: seeds {seeds} name one seed twice")
-    keys = ("model", "dtype", "block_size", "lengths", "num_docs", "orders", "chunk_end", "check_layer")
-    settings = [{k: r.get(k) for k in (*keys, "chunk_context")} for r in reports]
+    keys = (
+        "model",
+        "dtype",
+        "block_size",
+        "lengths",
+        "num_docs",
+        "orders",
+        "chunk_end",
+        "check_layer",
+        "chunk_context",
+    )
+    settings = [{k: r.get(k) for k in keys} for r in reports]
     for seed, setting in zip(seeds, settings, strict=True):
         if setting != settings[0]:
             changed = sorted(k for k in setting if setting[k] != settings[0][k])
@@ -384,24 +394,23 @@ def pool_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     names = list(reports[0]["modes"])
     correct: dict[str, list[bool]] = {name: [] for name in names}
     per_seed: dict[str, dict[int, int]] = {name: {} for name in names}
+    by_depth: dict[str, dict[str, list[int]]] = {name: {} for name in names}  # [right, asked] per position
     for seed, report in zip(seeds, reports, strict=True):
         if list(report["modes"]) != names:
             raise ValueError(f"pool: seed {seed} ran modes {list(report['modes'])}, seed {seeds[0]} {names}")
         ids = list(report["modes"][names[0]]["correct"])
+        depths = report.get("depths", {})
         for name in names:
             answers = report["modes"][name]["correct"]
             if list(answers) != ids:
                 raise ValueError(f"pool: seed {seed}'s mode {name} answered other questions than its {names[0]}")
-            correct[name] += [bool(answers[i]) for i in ids]
-            per_seed[name][seed] = sum(bool(v) for v in answers.values())
-    by_depth: dict[str, dict[str, list[int]]] = {name: {} for name in names}  # [right, asked] per position
-    for report in reports:
-        for name in names:
-            for item, right in report["modes"][name]["correct"].items():
-                depth = report.get("depths", {}).get(item)
-                if depth is not None:
-                    cell = by_depth[name].setdefault(f"{depth:.2f}", [0, 0])
-                    cell[0] += bool(right)
+            rights = [bool(answers[i]) for i in ids]
+            correct[name] += rights
+            per_seed[name][seed] = sum(rights)
+            for item, right in zip(ids, rights, strict=True):
+                if depths.get(item) is not None:
+                    cell = by_depth[name].setdefault(f"{depths[item]:.2f}", [0, 0])
+                    cell[0] += right
                     cell[1] += 1
     pooled: dict[str, Any] = {
         "seeds": seeds,
