@@ -88,7 +88,7 @@ def target_line(report: dict[str, Any]) -> str | None:
     )
 
 
-def _seed_list(text: str) -> list[int]:
+def seed_list(text: str) -> list[int]:
     """``"0-39"`` or ``"0,3,7"``: the seeds, in order, each once."""
     try:
         if "-" in text.strip("-"):
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     one_or_many = p.add_mutually_exclusive_group()
     one_or_many.add_argument("--seed", type=int, default=0)
     one_or_many.add_argument(
-        "--seeds", type=_seed_list, default=None, help="run every seed of a range A-B or list, and pool"
+        "--seeds", type=seed_list, default=None, help="run every seed of a range A-B or list, and pool"
     )
     p.add_argument("--pool", type=Path, nargs="+", default=None, help="pool these saved reports; run nothing")
     p.add_argument("--work-dir", type=Path, default=None, help="keep engine logs, configs and stores here")

@@ -53,7 +53,7 @@ def test_seeds_are_run_saved_and_pooled(tiny_model: Path, tmp_path: Path) -> Non
 
 def test_bad_seed_lists_and_reports_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = load_script("blend_quality")
-    assert script._seed_list("3-5") == [3, 4, 5] and script._seed_list("0,7") == [0, 7]
+    assert script.seed_list("3-5") == [3, 4, 5] and script.seed_list("0,7") == [0, 7]
     for bad, needle in (
         ("a-b", "expected a range A-B"),
         ("1,1", "expected at least one seed, each once"),
