@@ -13,10 +13,10 @@ the engine (``benchmarks/RESULTS.md`` compares their answers).
 
 Rules (:class:`Rule`):
 
-- ``deviation``: the engine's (CacheBlend's, Yao et al., EuroSys 2025, arXiv 2405.16444, §4.2): every token is
+- ``deviation``: the engine's (CacheBlend's, Yao et al., EuroSys 2025, arXiv 2405.16444): every token is
   computed up to ``layer``; there the ``ratio`` of the stored tokens whose K and V deviate most from the stored ones
   (``ucm.kernels.blend.kv_deviation``) go on.
-- ``progressive``: CacheBlend's gradual filtering (same paper, §4.3): ``stages`` of (layer, ratio) with growing
+- ``progressive``: CacheBlend's gradual filtering (same paper): ``stages`` of (layer, ratio) with growing
   layers and shrinking ratios; at each stage the rows still computed are ranked by their deviation at that layer.
 - ``oracle``: at ``layer``, the ``ratio`` of the stored tokens whose stored KV deviates most from the full
   prefill's, summed over the later layers. It needs the full prefill, so no engine can use it: it bounds what any
