@@ -32,7 +32,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -40,6 +40,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.blend_quality import seed_list  # noqa: E402
 from benchmarks.common import emit_summary, load_avg, machine_info  # noqa: E402
+from ucm.config import ChunkContext  # noqa: E402
 from ucm.quality.blend import paired_ratio_interval  # noqa: E402
 from ucm.quality.blend_reference import ReferenceModel, Rule, blend, parse_rule  # noqa: E402
 from ucm.quality.tasks import BLEND_CHUNK_END, blend_items, is_correct  # noqa: E402
@@ -62,7 +63,7 @@ def run_seed(
     *,
     lengths: list[int],
     orders: int,
-    chunk_context: str,
+    chunk_context: ChunkContext,
     block_size: int,
 ) -> dict[str, Any]:
     """One seed's questions: per question its id, the asked document's position (``depth``) and whether full
@@ -70,16 +71,17 @@ def run_seed(
     chunk_end_id = tokenizer.convert_tokens_to_ids(BLEND_CHUNK_END)
     items = blend_items(tokenizer, lengths, seed, orders=orders)
     store: dict[tuple[int, ...], Any] = {}
-    contexts: dict[tuple[int, ...], dict[str, Any]] = {}
+    key: tuple[int, ...] | None = None  # the context whose KV ``kvs`` holds, per mode
+    kvs: dict[str, Any] = {}
     questions: list[dict[str, Any]] = []
     recomputed: dict[str, list[int]] = defaultdict(list)
     for item in items:
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
         end = max(i for i, t in enumerate(ids) if t == chunk_end_id) + 1
-        key = tuple(ids[:end])
-        if key not in contexts:  # the questions of one order share its context: blend it once per rule
+        if key != tuple(ids[:end]):  # an order's questions come together and share its context: blend it once
+            key = tuple(ids[:end])
             full_kv, _ = model.prefill(ids[:end])
-            contexts[key] = {"full": full_kv}
+            kvs = {"full": full_kv}
             for rule in rules:
                 result = blend(
                     model,
@@ -89,12 +91,12 @@ def run_seed(
                     rule=rule,
                     block_size=block_size,
                     chunk_context=chunk_context,
-                    full_kv=full_kv,  # type: ignore[arg-type]
+                    full_kv=full_kv,
                 )
-                contexts[key][rule.name] = result.kv
+                kvs[rule.name] = result.kv
                 recomputed[rule.name].append(result.recomputed)
         row: dict[str, Any] = {"id": item.id, "depth": round(item.depth, 2)}
-        for name, kv in contexts[key].items():
+        for name, kv in kvs.items():
             answer = tokenizer.decode(model.greedy(kv, ids[end:], item.max_tokens))
             row[name] = is_correct(item, answer)
         questions.append(row)
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"kind@layer:ratio[,layer:ratio...], repeatable (default: {' '.join(DEFAULT_RULES)})",
     )
-    p.add_argument("--chunk-context", default="first_chunk", choices=("none", "first_chunk"))
+    p.add_argument("--chunk-context", default="first_chunk", choices=get_args(ChunkContext))
     p.add_argument("--block-size", type=int, default=32, help="the store's block, tokens")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON summary here")
     args = p.parse_args(argv)

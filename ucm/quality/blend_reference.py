@@ -34,11 +34,11 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from ucm.config import ChunkContext
 from ucm.kernels.blend import kv_deviation, recompute_count, rope_delta_
 
 RuleKind = Literal["deviation", "progressive", "oracle"]
 RULE_KINDS: tuple[RuleKind, ...] = ("deviation", "progressive", "oracle")
-ChunkContextKind = Literal["none", "first_chunk"]
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def blend(
     chunk_end_id: int,
     rule: Rule,
     block_size: int = 32,
-    chunk_context: ChunkContextKind = "first_chunk",
+    chunk_context: ChunkContext = "first_chunk",
     full_kv: torch.Tensor | None = None,
 ) -> BlendResult:
     """Blend the context ``ids`` (ending with the last chunk's ``chunk_end_id``), as the engine does (module
