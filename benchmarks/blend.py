@@ -6,7 +6,8 @@ Run::
     .venv/bin/python benchmarks/blend.py [--model smollm2|tiny] [--models-dir models] [--chunks 4]
                                          [--chunk-tokens 512] [--ratios 0.15] [--prompts 3] [--seed 0]
                                          [--max-tokens 8] [--check-layer model.layers.1.self_attn.attn]
-                                         [--chunk-context none|first_chunk] [--keep-logs DIR] [--out results.json]
+                                         [--chunk-context none|first_chunk] [--selection deviation|question]
+                                         [--keep-logs DIR] [--out results.json]
 
 Prompts. ``--chunks`` documents of ``--chunk-tokens`` tokens each, cut out of real text
 (``ucm.testing.texts.source_texts``: the cuts are spread evenly over all the text on this machine, so they come from
@@ -37,6 +38,9 @@ the in-order prompt (its TTFT is ``ttft_first_ms``), then the measured prompts.
   ``--chunk-context first_chunk`` (Blend's ``chunk_context``) the in-order prompt computes each document after the
   head and stores it under the keys of head + document; a measured prompt's first document after the head is a
   stored prefix, and each other document's blocks are loaded from the one holding the head/document boundary on.
+  With ``--selection question`` (Blend's ``selection``) the tokens recomputed after layer 1 are those the question
+  attends to most over the stored KV (a probe of the question through the layers before the pass), not those of
+  highest deviation.
 
 Reported per mode: ``ttft_ms``, the median TTFT (vLLM's ``first_token_latency``) over the measured prompts, with
 every sample; ``ratio_to_full``, the median over the prompts of the mode's TTFT / full prefill's TTFT of the same
@@ -74,7 +78,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
-from ucm.config import BLEND_LAYER_RE, ChunkContext  # noqa: E402
+from ucm.config import BLEND_LAYER_RE, BlendSelection, ChunkContext  # noqa: E402
 from ucm.testing.engine import (  # noqa: E402
     BLEND_RE,
     HIT_RE,
@@ -185,9 +189,10 @@ def ucm_config(
     ratio: float | None,
     check_layer: str = CHECK_LAYER,
     chunk_context: ChunkContext = "none",
+    selection: BlendSelection = "deviation",
 ) -> dict[str, Any]:
-    """UCM's config: the store pipeline on ``store``, with Blend at ``ratio`` (chosen at ``check_layer``, chunks
-    computed after ``chunk_context``) unless it is None."""
+    """UCM's config: the store pipeline on ``store``, with Blend at ``ratio`` (chosen at ``check_layer`` by
+    ``selection``, chunks computed after ``chunk_context``) unless it is None."""
     config: dict[str, Any] = {
         "ucm_connectors": [
             {
@@ -203,6 +208,7 @@ def ucm_config(
                 "compute_meta": {check_layer: {"ratio": ratio}},
                 "store_chunks": True,
                 "chunk_context": chunk_context,
+                "selection": selection,
             }
         }
     return config
@@ -326,6 +332,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="none",
         help="Blend's chunk_context; first_chunk also starts every prompt with a head (a system turn)",
     )
+    p.add_argument(
+        "--selection", choices=get_args(BlendSelection), default="deviation", help="Blend's selection of the tokens"
+    )
     p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
     args = p.parse_args(argv)
@@ -389,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[name] = run_mode(
                 name,
                 base,
-                ucm_config(store, chunk_end_id, ratio, args.check_layer, args.chunk_context),
+                ucm_config(store, chunk_end_id, ratio, args.check_layer, args.chunk_context, args.selection),
                 role,
                 tmp,
                 keep_logs,
@@ -410,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "chunk_end": {"text": CHUNK_END, "token_id": chunk_end_id},
         "check_layer": args.check_layer,
         "chunk_context": args.chunk_context,
+        "selection": args.selection,
         "head_tokens": len(tokenizer.encode(head, add_special_tokens=False)) if head else 0,
         "chunks": args.chunks,
         "chunk_tokens": chunk_tokens,

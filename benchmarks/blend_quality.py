@@ -7,7 +7,7 @@ Run::
     .venv/bin/python benchmarks/blend_quality.py [--model smollm2|DIR] [--models-dir models] [--lengths 1536]
         [--docs 4] [--orders 3] [--questions Q] [--ratios 0,0.05,0.15,0.3,1] [--no-prefix-only]
         [--chunk-end '<file_sep>'] [--check-layer model.layers.1.self_attn.attn] [--chunk-context none|first_chunk]
-        [--dtype float32]
+        [--selection deviation|question] [--question-layers 15:30] [--dtype float32]
         [--block-size 32] [--seed 0 | --seeds 0-39] [--work-dir DIR] [--out results.json]
     .venv/bin/python benchmarks/blend_quality.py --pool seed0.json seed1.json ...
 
@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info  # noqa: E402
-from ucm.config import ChunkContext  # noqa: E402
+from ucm.config import BlendSelection, ChunkContext, UcmConfigError, parse_config  # noqa: E402
 from ucm.quality.blend import CHECK_LAYER, RATIOS, modes, pool_reports, run_blend_quality  # noqa: E402
 from ucm.quality.harness import DTYPES  # noqa: E402
 from ucm.quality.tasks import BLEND_CHUNK_END, NUM_DOCS  # noqa: E402
@@ -145,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--chunk-context", default="none", choices=get_args(ChunkContext), help="Blend's chunk_context"
     )  # fmt: skip
+    p.add_argument("--selection", default="deviation", choices=get_args(BlendSelection), help="Blend's selection")
+    p.add_argument(
+        "--question-layers",
+        type=lambda t: _numbers(int, t.replace(":", ",")),
+        default=None,
+        help="Blend's question_layers FIRST:END (selection question; default: the later half of the layers)",
+    )
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size (the store's unit)")
     one_or_many = p.add_mutually_exclusive_group()
@@ -163,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--pool: {err}")
         print("\n".join(pooled_lines(pooled)))
         return emit_summary({"benchmark": "blend_quality", "pooled": pooled}, args.out)
+    if args.question_layers is not None:  # the engine would reject it only after full prefill's run
+        blend = {"chunk_end_token_id": 0, "selection": args.selection, "question_layers": args.question_layers}
+        try:
+            parse_config({"ucm_sparse_config": {"Blend": blend}})
+        except UcmConfigError as err:
+            p.error(f"--question-layers: {err}")
     if args.model == "smollm2":
         from ucm.testing.models import ensure_smollm2
 
@@ -198,13 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                 chunk_end=args.chunk_end,
                 check_layer=args.check_layer,
                 chunk_context=args.chunk_context,
+                selection=args.selection,
+                question_layers=args.question_layers,
                 seed=seed,
                 dtype=args.dtype,
                 block_size=args.block_size,
                 work_dir=work_dir,
                 progress=progress,
             )
-        except ValueError as err:  # bad ratios, lengths, chunk-end text, dtype
+        except ValueError as err:  # bad ratios, lengths, chunk-end text, dtype, question layers
             p.error(str(err))
         line = target_line(report)
         if line is not None:

@@ -8,11 +8,13 @@ Run::
         [--orders 6] [--seeds 0-9] [--rule deviation@1:0.15 --rule oracle@1:0.15 ...]
         [--chunk-context first_chunk|none] [--block-size 32] [--out results.json]
 
-Rules (``--rule``, repeatable; ``kind@layer:ratio[,layer:ratio...]``): ``deviation`` (UCM's engine rule: the
-tokens whose K and V deviate most at the layer), ``progressive`` (CacheBlend's gradual filtering over several
-layers) and ``oracle`` (the tokens whose stored KV is farthest from full prefill's over the later layers: it needs
-the full prefill, so it is an upper bound for choosing that many tokens at that layer, not a rule an engine can
-run). See ``ucm.quality.blend_reference``.
+Rules (``--rule``, repeatable; ``kind[lo:hi]@layer:ratio[,layer:ratio...]``): ``deviation`` (UCM's engine rule
+by default: the tokens whose K and V deviate most at the layer), ``progressive`` (CacheBlend's gradual filtering
+over several layers), ``question`` (the tokens the question attends to most over the naive KV, summed over the
+layers ``[lo, hi)``, by default the later half; ``selection: question`` in the engine; blended for each question)
+and ``oracle`` (the tokens whose stored KV is farthest from full prefill's over the later layers: it needs the full
+prefill, so it is an upper bound for choosing that many tokens at that layer, not a rule an engine can run). See
+``ucm.quality.blend_reference``.
 
 The prompts are ``benchmarks/blend_quality.py``'s (``ucm.quality.tasks.blend_items``, chunk end ``<file_sep>``),
 and the store is primed the same way: every chunk is in the store before a question is scored. The reference is
@@ -78,23 +80,29 @@ def run_seed(
     for item in items:
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
         end = max(i for i, t in enumerate(ids) if t == chunk_end_id) + 1
-        if key != tuple(ids[:end]):  # an order's questions come together and share its context: blend it once
+        # An order's questions come together and share its context: blend it once, except for the rules that read
+        # the question (blended for each question, as the engine does with vLLM's prefix cache reset between them).
+        new_context = key != tuple(ids[:end])
+        if new_context:
             key = tuple(ids[:end])
             full_kv, _ = model.prefill(ids[:end])
             kvs = {"full": full_kv}
-            for rule in rules:
-                result = blend(
-                    model,
-                    ids[:end],
-                    store,
-                    chunk_end_id=chunk_end_id,
-                    rule=rule,
-                    block_size=block_size,
-                    chunk_context=chunk_context,
-                    full_kv=full_kv,
-                )
-                kvs[rule.name] = result.kv
-                recomputed[rule.name].append(result.recomputed)
+        for rule in rules:
+            if not new_context and rule.kind != "question":
+                continue
+            result = blend(
+                model,
+                ids[:end],
+                store,
+                chunk_end_id=chunk_end_id,
+                rule=rule,
+                block_size=block_size,
+                chunk_context=chunk_context,
+                full_kv=kvs["full"],
+                query_ids=ids[end:],
+            )
+            kvs[rule.name] = result.kv
+            recomputed[rule.name].append(result.recomputed)
         row: dict[str, Any] = {"id": item.id, "depth": round(item.depth, 2)}
         for name, kv in kvs.items():
             answer = tokenizer.decode(model.greedy(kv, ids[end:], item.max_tokens))

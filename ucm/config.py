@@ -468,8 +468,8 @@ class BlendLayerConfig(_Strict):
         ge=0,
         le=1,
         description="Fraction of the tokens with stored KV recomputed from this layer on: those whose KV deviates "
-        "most from the stored KV here (tokens without stored KV are always recomputed; 0: reuse as stored; 1: "
-        "recompute all, the full prefill's result).",
+        "most from the stored KV here, or with selection 'question' those the question attends to most (tokens "
+        "without stored KV are always recomputed; 0: reuse as stored; 1: recompute all, the full prefill's result).",
     )
 
     @field_validator("ratio", mode="before")
@@ -479,6 +479,7 @@ class BlendLayerConfig(_Strict):
 
 
 ChunkContext = Literal["none", "first_chunk"]  # BlendConfig.chunk_context's values
+BlendSelection = Literal["deviation", "question"]  # BlendConfig.selection's values
 BLEND_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
 
 
@@ -509,6 +510,34 @@ class BlendConfig(_Strict):
         "the keys of that head followed by the chunk (the prefix keys of a prompt that begins with both), and found "
         "only after the same head.",
     )
+    selection: BlendSelection = Field(
+        "deviation",
+        description="How the recomputed tokens are chosen: 'deviation': those whose K and V recomputed at the "
+        "compute_meta layer deviate most from the stored ones (CacheBlend's rule); 'question': those the prompt's "
+        "tokens after the last chunk (the question) attend to most, run first over the stored KV, attention summed "
+        "over question_layers (the blended KV then fits that question; vLLM's prefix cache may reuse it for another "
+        "question on the same chunks).",
+    )
+    question_layers: list[int] | None = Field(
+        None,
+        description="selection 'question': the decoder layers [first, last + 1) whose attention is summed; null: the "
+        "later half of the model's layers.",
+    )
+
+    @model_validator(mode="after")
+    def _question_layers(self) -> BlendConfig:
+        if self.question_layers is not None:
+            if len(self.question_layers) != 2:
+                raise ValueError(f"question_layers {self.question_layers} must be two numbers, [first, end)")
+            lo, hi = self.question_layers
+            if self.selection != "question":
+                raise ValueError(
+                    f"question_layers {self.question_layers} is set but selection is {self.selection!r}; it "
+                    "applies to selection 'question' only"
+                )
+            if not 0 <= lo < hi:
+                raise ValueError(f"question_layers {self.question_layers} must be [first, end) with 0 <= first < end")
+        return self
 
     @field_validator("compute_meta")
     @classmethod

@@ -22,7 +22,7 @@ BLEND_FIELDS = ("reused_tokens", "recomputed_tokens", "computed_chunks", "blend_
 
 def test_tiny_run_reports_every_mode_and_blend_reuses_stored_chunks() -> None:
     args = ["--model", "tiny", "--chunks", "2", "--chunk-tokens", "160", "--prompts", "1", "--max-tokens", "2",
-            "--check-layer", "model.layers.2.self_attn.attn"]  # fmt: skip
+            "--check-layer", "model.layers.2.self_attn.attn", "--selection", "question"]  # fmt: skip
     run = subprocess.run(
         [sys.executable, str(BENCHMARKS / "blend.py"), *args], capture_output=True, text=True, timeout=600
     )
@@ -30,7 +30,7 @@ def test_tiny_run_reports_every_mode_and_blend_reuses_stored_chunks() -> None:
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["benchmark"] == "blend" and summary["command"] == "benchmarks/blend.py " + " ".join(args)
     assert {"machine", "versions", "date"} <= summary.keys() and summary["orders"] == [[1, 0]]
-    assert summary["check_layer"] == "model.layers.2.self_attn.attn"
+    assert summary["check_layer"] == "model.layers.2.self_attn.attn" and summary["selection"] == "question"
     full, prefix, blend = summary["full"], summary["prefix_only"], summary["blend"]["0.15"]
     for row in (full, prefix, blend):
         assert all(field in row for field in MODE_FIELDS), row
@@ -73,7 +73,7 @@ def test_blend_lines_parses_the_log_of_each_request() -> None:
     log = (
         "[UC][I] request_id: 2-b2, blend of tokens 128-322: 2 chunks, 128 tokens with their chunk's own KV (0 chunks "
         "were not stored: computed on their own and stored now), 69 recomputed after model.layers.1.self_attn.attn "
-        "(ratio 0.15); chunks 29 ms, pass 530 ms\n"
+        "(ratio 0.15, by the question's attention); chunks 29 ms, pass 530 ms\n"
     )
     (line,) = blend.blend_lines(log).values()
     assert (line.tokens, line.chunks, line.reused, line.computed_chunks, line.recomputed) == (194, 2, 128, 0, 69)

@@ -17,6 +17,8 @@ from tests.kernels.sm90 import compile_for_sm90
 from ucm.kernels.blend import (
     kv_deviation,
     kv_deviation_reference,
+    question_attention,
+    question_attention_reference,
     recompute_count,
     rope_delta_,
     rope_delta_reference,
@@ -303,6 +305,67 @@ def test_select_recompute_by_hand(impl: str) -> None:
 )
 def test_recompute_count_is_the_decimal_ceiling(num_tokens: int, ratio: float, count: int) -> None:
     assert recompute_count(num_tokens, ratio) == count
+
+
+# -- question_attention ---------------------------------------------------------------------------------------------
+
+# (m, S, num_heads, num_kv_heads, head_dim): grouped heads (SmolLM2's 9 over 3), one query token, plain multi-head.
+QA_SHAPES = [(5, 40, 9, 3, 64), (1, 17, 4, 2, 32), (3, 3, 2, 2, 16)]
+# Per-dtype (rtol, atol) of the output: float32 softmax of inputs rounded to the dtype, output rounded once.
+QA_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2**-7, 2**-7), torch.float16: (2**-10, 2**-9)}
+
+
+def make_question(
+    shape: tuple[int, int, int, int, int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, s, h, hk, d = shape
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(shape, generator=g).to(dtype) for shape in ((m, h, d), (s, hk, d), (s, hk, d)))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("shape", QA_SHAPES, ids=[f"m{m}-s{s}-h{h}-kv{hk}" for m, s, h, hk, _ in QA_SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("impl", ["torch", "cpu", "reference"])
+def test_question_attention_matches_reference(
+    impl: str, dtype: torch.dtype, shape: tuple[int, int, int, int, int]
+) -> None:
+    query, keys, values = make_question(shape, dtype)
+    scale = shape[4] ** -0.5
+    out, received = question_attention(query, keys, values, scale=scale, impl=impl)  # type: ignore[arg-type]
+    want_out, want_received = question_attention_reference(query, keys, values, scale)
+    assert out.dtype == dtype and out.shape == query.shape and received.dtype == torch.float32
+    rtol, atol = QA_TOL[dtype]
+    torch.testing.assert_close(out.double(), want_out.double(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(received.double(), want_received, rtol=1e-5, atol=1e-6)
+
+
+def test_question_attention_by_hand() -> None:
+    """Equal keys: each query row spreads its attention evenly over the keys it sees (causal), and its output is
+    the mean of those values; a key past a row's position receives nothing from it."""
+    m, s, h = 2, 4, 2
+    query = torch.randn(m, h, 8)
+    keys = torch.ones(s, 1, 8)
+    values = torch.arange(s, dtype=torch.float32)[:, None, None].expand(s, 1, 8).contiguous()
+    out, received = question_attention(query, keys, values, scale=0.125)
+    # row 0 sits at position 2 (sees keys 0-2), row 1 at 3 (all four); 2 heads each
+    torch.testing.assert_close(received, torch.tensor([2 / 3 + 2 / 4, 2 / 3 + 2 / 4, 2 / 3 + 2 / 4, 2 / 4]) * 1.0)
+    torch.testing.assert_close(out[0], torch.full((h, 8), 1.0))
+    torch.testing.assert_close(out[1], torch.full((h, 8), 1.5))
+    assert float(received.sum()) == pytest.approx(m * h)
+
+
+def test_question_attention_errors_name_the_bad_value() -> None:
+    query, keys, values = make_question((5, 40, 9, 3, 64), torch.float32)
+    with pytest.raises(ValueError, match=r"question_attention has no 'triton' implementation"):
+        question_attention(query, keys, values, scale=0.1, impl="triton")
+    with pytest.raises(ValueError, match=r"query must be float32/bfloat16/float16 \[m, num_heads, head_dim\], got "):
+        question_attention(query[0], keys, values, scale=0.1)
+    with pytest.raises(ValueError, match=r"keys must be torch.float32 \[S >= 5, num_kv_heads dividing 9, 64\]"):
+        question_attention(query, keys[:, :2], values, scale=0.1)
+    with pytest.raises(ValueError, match=r"values must be .* got torch.bfloat16"):
+        question_attention(query, keys, values.bfloat16(), scale=0.1)
+    with pytest.raises(ValueError, match=r"keys must be .*\[S >= 5,.* got torch.float32 \(4, 3, 64\)"):
+        question_attention(query, keys[:4], values[:4], scale=0.1)
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------

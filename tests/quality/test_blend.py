@@ -200,13 +200,17 @@ def test_modes_and_their_configs(tmp_path):
             assert cfg.ucm_sparse_config is not None and cfg.ucm_sparse_config.Blend is not None
             assert cfg.ucm_sparse_config.Blend.ratio == mode.ratio
             assert cfg.ucm_sparse_config.Blend.chunk_end_token_id == SEP_ID
+    path = tmp_path / "question.yaml"
+    path.write_text(yaml.safe_dump(ucm_config(got[4], SEP_ID, selection="question", question_layers=[15, 30])))
+    blend = load_config_file(path).ucm_sparse_config.Blend  # type: ignore[union-attr]
+    assert blend is not None and (blend.selection, blend.question_layers) == ("question", [15, 30])
 
 
 def test_blend_log_lines_are_summed_per_request():
     line = (
         "INFO [blend.py:305] request_id: {rid}, blend of tokens {s}-{e}: 5 chunks, {r} tokens with their chunk's "
         "own KV ({c} chunks were not stored: computed on their own and stored now), {k} recomputed after "
-        "model.layers.1.self_attn.attn (ratio 0.15); chunks 3 ms, pass 40 ms"
+        "model.layers.1.self_attn.attn (ratio 0.15, by KV deviation); chunks 3 ms, pass 40 ms"
     )
     log = "\n".join(
         [

@@ -1,7 +1,7 @@
 """Tests of ``ucm.quality.blend_reference`` (the pure-torch blend) and ``benchmarks/blend_selection.py``, on a
 4-layer random Llama: recomputing every token gives full prefill's KV and tokens; recomputing none keeps the stored
-KV after the choosing layer, keys moved to the chunk's positions; the oracle needs full prefill's KV; bad rules are
-named."""
+KV after the choosing layer, keys moved to the chunk's positions; the question's scores are the attention
+weights Hugging Face's eager attention reports; the oracle needs full prefill's KV; bad rules are named."""
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def test_recomputing_every_token_is_full_prefill(model: ReferenceModel, context:
           chunk_context=context)  # fmt: skip  # the store now holds every document
     ids = _prompt([2, 0, 1])
     full, _ = model.prefill(ids)
-    for rule in ("deviation@1:1", "progressive@0:1,2:1", "oracle@2:1"):
+    for rule in ("deviation@1:1", "progressive@0:1,2:1", "oracle@2:1", "question@1:1", "question[0:4]@0:1"):
         got = blend(model, ids, store, chunk_end_id=CE, rule=parse_rule(rule), block_size=BS, chunk_context=context,
-                    full_kv=full)  # fmt: skip
+                    full_kv=full, query_ids=[300, 301])  # fmt: skip
         assert got.recomputed == len(ids) - got.start
         torch.testing.assert_close(got.kv, full, atol=2e-5, rtol=1e-4)
         assert model.greedy(got.kv, [300, 301], 4) == model.greedy(full, [300, 301], 4)
@@ -75,23 +75,52 @@ def test_recomputing_no_token_keeps_the_moved_stored_kv(model: ReferenceModel) -
     assert got.recomputed == (len(ids) - got.start) - got.stored
 
 
+def test_question_scores_are_the_attention_weights(model: ReferenceModel) -> None:
+    """Over full prefill's KV, the attention the question's tokens pay to each earlier token, summed over heads,
+    tokens and layers, is what Hugging Face's eager attention reports for the whole prompt; the question rule
+    recomputes the stored tokens of highest score."""
+    from transformers import AutoModelForCausalLM
+
+    from ucm.testing.models import ensure_tiny_llama
+
+    ids, query = _prompt([2, 0, 1]), [300, 301, 302]
+    full, _ = model.prefill(ids)
+    got = model.question_scores(full, query, range(2, 4))
+    checkpoint = ensure_tiny_llama(MODELS_DIR, num_hidden_layers=4)  # the one ReferenceModel loaded
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    weights = hf(torch.tensor([ids + query]), output_attentions=True).attentions  # per layer [1, heads, T, T]
+    want = sum(w[0, :, len(ids) :, : len(ids)].sum(dim=(0, 1)) for w in weights[2:4])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    store: dict = {}
+    picked = blend(model, ids, store, chunk_end_id=CE, rule=parse_rule("question[2:4]@1:0.2"), block_size=BS,
+                   query_ids=query)  # fmt: skip
+    assert picked.recomputed > picked.stored * 0.2 and picked.chosen.shape[0] == picked.recomputed
+
+
 def test_rules_and_errors_are_named(model: ReferenceModel) -> None:
     assert parse_rule("progressive@1:0.4,3:0.15").stages == ((1, 0.4), (3, 0.15))
     assert parse_rule("oracle@2:0.1").name == "oracle@2:0.1"
+    assert parse_rule("question[2:4]@1:0.1").name == "question[2:4]@1:0.1"
+    assert parse_rule("question@1:0.1").question_layers(30) == range(15, 30)
     for text, needle in (
-        ("deviation", "is not kind@layer:ratio"),
-        ("deviation@1", "is not kind@layer:ratio"),
+        ("deviation", "is not kind[lo:hi]@layer:ratio"),
+        ("deviation@1", "is not kind[lo:hi]@layer:ratio"),
         ("best@1:0.1", "'best' is not one of"),
         ("deviation@1:0.1,2:0.05", "takes one (layer, ratio) stage"),
         ("progressive@2:0.1,1:0.05", "must be >= 0 and increasing"),
         ("progressive@1:0.1,2:0.3", "must be in [0, 1] and not increasing"),
         ("oracle@1:1.5", "must be in [0, 1]"),
+        ("deviation[1:2]@1:0.1", "are for 'question' only"),
+        ("question[3:1]@1:0.1", "score layers [3, 1] must be [lo:hi) with 0 <= lo < hi"),
+        ("question[3]@1:0.1", "is not kind[lo:hi]@layer:ratio"),
     ):
         with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             parse_rule(text)
     ids = _prompt([0, 1, 2])
     with pytest.raises(ValueError, match="needs the full prefill's KV"):
         blend(model, ids, {}, chunk_end_id=CE, rule=parse_rule("oracle@1:0.1"), block_size=BS)
+    with pytest.raises(ValueError, match="needs the prompt's tokens after the context"):
+        blend(model, ids, {}, chunk_end_id=CE, rule=parse_rule("question@1:0.1"), block_size=BS)
     with pytest.raises(ValueError, match="layer 4 >= the model's 4 layers"):
         blend(model, ids, {}, chunk_end_id=CE, rule=parse_rule("deviation@4:0.1"), block_size=BS)
     with pytest.raises(ValueError, match="must end with chunk_end_id"):
@@ -101,17 +130,19 @@ def test_rules_and_errors_are_named(model: ReferenceModel) -> None:
 def test_selection_script_pools_rules_against_full_prefill(tiny_model: Path) -> None:
     run = subprocess.run(
         [sys.executable, str(BENCHMARKS / "blend_selection.py"), "--model", str(tiny_model), "--lengths", "400",
-         "--orders", "2", "--seeds", "0-1", "--rule", "deviation@1:0.15", "--rule", "oracle@0:0.15"],
+         "--orders", "2", "--seeds", "0-1", "--rule", "deviation@1:0.15", "--rule", "oracle@0:0.15", "--rule",
+         "question@1:0.15"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     pooled = summary["pooled"]
     assert pooled["seeds"] == [0, 1] and pooled["questions"] == 16  # 2 seeds x 2 orders x 4 documents
-    assert set(pooled["right"]) == {"full", "deviation@1:0.15", "oracle@0:0.15"}
+    assert set(pooled["right"]) == {"full", "deviation@1:0.15", "oracle@0:0.15", "question@1:0.15"}
     for name, right in pooled["right"].items():
         assert sum(pooled["right_by_depth"][name].values()) == right
     assert pooled["recomputed_mean"]["deviation@1:0.15"] > 0
+    assert len(summary["per_seed"][0]["recomputed"]["question@1:0.15"]) == 8  # blended for each question
     questions = [q for seed in summary["per_seed"] for q in seed["questions"]]
     assert len(questions) == 16 and sum(q["full"] for q in questions) == pooled["right"]["full"]
     assert "seed 0:" in run.stdout and "seed 1:" in run.stdout

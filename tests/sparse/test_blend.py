@@ -25,7 +25,10 @@ def test_blend_section_defaults() -> None:
     cfg = parse_config({"ucm_sparse_config": {"Blend": {"chunk_end_token_id": 5}}}).ucm_sparse_config
     assert cfg is not None and cfg.method == "Blend" and cfg.Blend is not None
     assert (cfg.Blend.check_layer, cfg.Blend.ratio, cfg.Blend.store_chunks) == (1, 0.15, True)
-    assert cfg.Blend.chunk_context == "none"
+    assert (cfg.Blend.chunk_context, cfg.Blend.selection, cfg.Blend.question_layers) == ("none", "deviation", None)
+    section = {"chunk_end_token_id": 5, "selection": "question", "question_layers": [10, 30]}
+    cfg = parse_config({"ucm_sparse_config": {"Blend": section}}).ucm_sparse_config
+    assert cfg is not None and cfg.Blend is not None and cfg.Blend.question_layers == [10, 30]
     upstream = {"chunk_end_token_id": 5, "compute_meta": {"model.layers.3.self_attn.attn": {"ratio": 1}}}
     cfg = parse_config({"ucm_sparse_config": {"Blend": upstream}}).ucm_sparse_config
     assert cfg is not None and cfg.Blend is not None and (cfg.Blend.check_layer, cfg.Blend.ratio) == (3, 1.0)
@@ -58,6 +61,18 @@ def test_blend_section_defaults() -> None:
             "ucm_sparse_config.Blend.chunk_context: Input should be 'none' or 'first_chunk'",
         ),
         ({"chunk_end_token_id": 5, "chunk_end": 1}, "unknown key 'chunk_end' in ucm_sparse_config.Blend; valid keys: "),
+        (
+            {"chunk_end_token_id": 5, "selection": "attention"},
+            "ucm_sparse_config.Blend.selection: Input should be 'deviation' or 'question'",
+        ),
+        (
+            {"chunk_end_token_id": 5, "question_layers": [10, 30]},
+            "question_layers [10, 30] is set but selection is 'deviation'; it applies to selection 'question' only",
+        ),
+        (
+            {"chunk_end_token_id": 5, "selection": "question", "question_layers": [30, 10]},
+            "question_layers [30, 10] must be [first, end) with 0 <= first < end",
+        ),
     ],
 )
 def test_blend_errors_name_the_key(section: dict, expected: str) -> None:

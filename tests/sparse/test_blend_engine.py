@@ -73,6 +73,9 @@ def runs(tmp_path_factory) -> dict:
     exact, exact_log = run_engine(spec(ucm_transfer_config(_config(store, 1.0)), [0, 1]))
     after_head = ucm_transfer_config(_config(work / "store-head", 1.0, chunk_context="first_chunk"))
     head, head_log = run_engine(spec(after_head, [4, 5, 6]))
+    # selection 'question' on the same store (restart, Posix only): the chosen positions at debug level
+    question_cfg = ucm_transfer_config(_config(store, 0.3, "Posix", selection="question"))
+    question, question_log = run_engine(spec(question_cfg, [2]), env={"UC_LOGGER_LEVEL": "debug"})
     # A restart on the same store, Posix only (every chunk read from its files): ratio 0, then every block file
     # damaged before the last request.
     damage = f"find {store} -type f -name '*.ucmb' -exec truncate -s 64 {{}} +"
@@ -85,6 +88,10 @@ def runs(tmp_path_factory) -> dict:
         "reused_log": reused_log,
         "head": head,
         "head_log": head_log,
+        "question": question,
+        "question_log": question_log,
+        "model": model,
+        "prompts": prompts,
     }
 
 
@@ -140,3 +147,40 @@ def test_chunks_after_the_first_chunk_share_the_prefix_keys(runs) -> None:
     for got, want in zip(runs["head"], runs["full"][4:], strict=True):
         assert got.token_ids == want.token_ids
         assert _max_diff(got, want) < 1e-4
+
+
+def test_question_selection_recomputes_what_the_question_attends_to(runs) -> None:
+    """``selection: question``: the engine's probe (the question over the stored KV through vLLM's layers) chooses
+    the positions the pure-torch reference chooses (``ucm.quality.blend_reference``, rule ``question@1:0.3``, the
+    later half of the layers), not the KV deviation's."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from ucm.kernels.blend import recompute_count
+    from ucm.quality.blend_reference import ReferenceModel, Rule, blend, chunk_spans
+
+    (run,) = _blends(runs["question_log"])
+    start, end, _, reused, computed, recomputed = run
+    assert "by the question's attention" in runs["question_log"] and computed == 0
+    assert recomputed == recompute_count(reused, 0.3) + (end - start - reused)
+    match = re.search(r"blend recomputed positions: \[([\d, ]*)\]", runs["question_log"])
+    assert match is not None
+    engine = {int(x) for x in match.group(1).split(",")}
+    ids = AutoTokenizer.from_pretrained(runs["model"])(runs["prompts"][2]).input_ids
+    assert len(ids) == runs["question"][0].num_prompt_tokens
+    model = ReferenceModel(runs["model"])
+    store: dict = {}
+    kwargs = {"chunk_end_id": SEP_ID, "block_size": 128, "chunk_context": "none", "query_ids": ids[end:]}
+    want = blend(model, ids[:end], store, rule=Rule("question", ((1, 0.3),)), **kwargs)
+    deviation = blend(model, ids[:end], store, rule=Rule("deviation", ((1, 0.3),)), **kwargs)
+    assert (want.start, want.recomputed) == (start, recomputed)
+    # The picked tokens: those with stored KV (each chunk's whole blocks; the rest is always recomputed)
+    stored = {p for s, e in chunk_spans(ids[:end], SEP_ID) for p in range(max(s, start), s + (e - s) // 128 * 128)}
+    assert len(stored) == reused
+    picked, reference = engine & stored, set(want.chosen.tolist()) & stored
+    assert len(picked) == len(reference) == recompute_count(reused, 0.3)
+    overlap = len(picked & reference) / len(reference)
+    assert overlap >= 0.97, overlap  # float32 kernels differ: near-ties at the boundary may flip
+    by_deviation = len(picked & set(deviation.chosen.tolist())) / len(reference)
+    assert by_deviation < overlap - 0.2, (by_deviation, overlap)

@@ -17,8 +17,9 @@ pass, at the cost of one prompt per length instead of a second pass. For Blend t
 per-blend log line (``chunks_computed`` must be 0 over the scored prompts).
 
 The Blend config: ``{chunk_end_token_id: <the chunk-end text's token>, compute_meta: {<check_layer>: {ratio: r}},
-chunk_context: <none or first_chunk>}`` (:func:`ucm_config`); with ``first_chunk`` each document is computed after the
-prompt's intro, which is the same in every item. The chunk-end text must be exactly one token of the model's tokenizer
+chunk_context: <none or first_chunk>, selection: <deviation or question>}`` (:func:`ucm_config`, plus
+``question_layers`` when given); with ``first_chunk`` each document is computed after the prompt's intro, which is
+the same in every item. The chunk-end text must be exactly one token of the model's tokenizer
 (:func:`chunk_end_token_id`).
 """
 
@@ -33,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from ucm.config import ChunkContext
+from ucm.config import BlendSelection, ChunkContext
 from ucm.quality.harness import (
     DTYPES,
     RunOutput,
@@ -104,10 +105,16 @@ def chunk_end_token_id(tokenizer: Tokenizer, chunk_end: str) -> int:
 
 
 def ucm_config(
-    mode: Mode, chunk_end_id: int, check_layer: str = CHECK_LAYER, chunk_context: ChunkContext = "none"
+    mode: Mode,
+    chunk_end_id: int,
+    check_layer: str = CHECK_LAYER,
+    chunk_context: ChunkContext = "none",
+    selection: BlendSelection = "deviation",
+    question_layers: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The UCM YAML of a UCM mode: ``Cache|Posix`` (its store directory set per run by ``harness.run_ucm``), plus
-    ``ucm_sparse_config.Blend`` at ``mode.ratio`` (and ``chunk_context``) unless the ratio is None.
+    ``ucm_sparse_config.Blend`` at ``mode.ratio`` (and ``chunk_context``, ``selection``, ``question_layers`` when
+    given) unless the ratio is None.
 
     Raises:
         ValueError: ``mode`` is not a UCM mode.
@@ -128,8 +135,11 @@ def ucm_config(
                 "chunk_end_token_id": chunk_end_id,
                 "compute_meta": {check_layer: {"ratio": mode.ratio}},
                 "chunk_context": chunk_context,
+                "selection": selection,
             }
         }
+        if question_layers is not None:
+            config["ucm_sparse_config"]["Blend"]["question_layers"] = list(question_layers)
     return config
 
 
@@ -193,6 +203,8 @@ def run_blend_quality(
     chunk_end: str = BLEND_CHUNK_END,
     check_layer: str = CHECK_LAYER,
     chunk_context: ChunkContext = "none",
+    selection: BlendSelection = "deviation",
+    question_layers: Sequence[int] | None = None,
     seed: int = 0,
     dtype: str = "float32",
     block_size: int | None = 32,
@@ -208,6 +220,7 @@ def run_blend_quality(
         lengths, num_docs, orders, questions, chunk_end, seed: the items (``tasks.blend_items``).
         check_layer: ``compute_meta``'s attention layer.
         chunk_context: ``Blend.chunk_context`` (``none`` or ``first_chunk``: the prompt's intro).
+        selection, question_layers: ``Blend.selection`` and ``Blend.question_layers`` (None: not set).
         dtype: the engines' dtype (float32 by default: ratio 1 then reproduces full prefill to float rounding,
             so differences are the blend's, not bf16's summation orders).
         block_size: vLLM's KV block size (the store's unit: a chunk's last partial block is always recomputed, so
@@ -264,7 +277,12 @@ def run_blend_quality(
                 base = base or run
             else:
                 config = work / f"{mode.name}.yaml"
-                config.write_text(yaml.safe_dump(ucm_config(mode, end_id, check_layer, chunk_context), sort_keys=False))
+                config.write_text(
+                    yaml.safe_dump(
+                        ucm_config(mode, end_id, check_layer, chunk_context, selection, question_layers),
+                        sort_keys=False,
+                    )
+                )
                 primed, stderr = run_ucm(
                     first + items, spec, config, work, tag=mode.name, kvcache_gib=kvcache_gib, timeout_s=timeout_s
                 )
@@ -294,6 +312,8 @@ def run_blend_quality(
         "chunk_end_token_id": end_id,
         "check_layer": check_layer,
         "chunk_context": chunk_context,
+        "selection": selection,
+        "question_layers": None if question_layers is None else list(question_layers),
         "seed": seed,
         "num_prompts": len(items),
         "num_primers": len(first),
@@ -385,6 +405,8 @@ def pool_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "chunk_end",
         "check_layer",
         "chunk_context",
+        "selection",
+        "question_layers",
     )
     settings = [{k: r.get(k) for k in keys} for r in reports]
     for seed, setting in zip(seeds, settings, strict=True):

@@ -21,6 +21,12 @@ Rules (:class:`Rule`):
 - ``oracle``: at ``layer``, the ``ratio`` of the stored tokens whose stored KV deviates most from the full
   prefill's, summed over the later layers. It needs the full prefill, so no engine can use it: it bounds what any
   rule choosing that many tokens at that layer can reach.
+- ``question``: before the pass, the prompt's tokens after the context (the question) go through every layer over
+  the naive KV (the exact prefix, the stored KV, zeros where none is stored); the ``ratio`` of the stored tokens
+  that receive the most attention from them, summed over the heads, the question's tokens and the layers
+  ``score_layers`` (default: the later half), are recomputed from ``layer`` on (``ucm.kernels.blend.
+  question_attention``). It follows the observation that the attention of a prompt's last tokens predicts which
+  earlier tokens matter (SnapKV, Li et al., NeurIPS 2024, arXiv 2404.14469), here used to choose what to recompute.
 
 Ratios count the stored tokens of the run, rounded up as the engine does (``ucm.kernels.blend.recompute_count``).
 """
@@ -35,10 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from ucm.config import ChunkContext
-from ucm.kernels.blend import kv_deviation, recompute_count, rope_delta_
+from ucm.kernels.blend import kv_deviation, question_attention, recompute_count, rope_delta_
 
-RuleKind = Literal["deviation", "progressive", "oracle"]
-RULE_KINDS: tuple[RuleKind, ...] = ("deviation", "progressive", "oracle")
+RuleKind = Literal["deviation", "progressive", "oracle", "question"]
+RULE_KINDS: tuple[RuleKind, ...] = ("deviation", "progressive", "oracle", "question")
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,15 @@ class Rule:
     """How the blend chooses the tokens to recompute.
 
     Attributes:
-        kind: ``deviation``, ``progressive`` or ``oracle`` (module docstring).
+        kind: ``deviation``, ``progressive``, ``oracle`` or ``question`` (module docstring).
         stages: (decoder layer index, ratio) pairs, layers increasing, ratios in [0, 1] not increasing; one pair
             except for ``progressive``.
+        score_layers: ``question`` only: the layers ``[lo, hi)`` whose attention is summed (None: the later half).
     """
 
     kind: RuleKind
     stages: tuple[tuple[int, float], ...] = field(default=((1, 0.15),))
+    score_layers: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in RULE_KINDS:
@@ -67,29 +75,50 @@ class Rule:
             raise ValueError(f"rule {self.kind!r}: stage layers {layers} must be >= 0 and increasing")
         if any(not 0.0 <= r <= 1.0 for r in ratios) or ratios != sorted(ratios, reverse=True):
             raise ValueError(f"rule {self.kind!r}: stage ratios {ratios} must be in [0, 1] and not increasing")
+        if self.score_layers is not None:
+            lo, hi = self.score_layers
+            if self.kind != "question":
+                raise ValueError(f"rule {self.kind!r}: score layers {list(self.score_layers)} are for 'question' only")
+            if not 0 <= lo < hi:
+                raise ValueError(
+                    f"rule {self.kind!r}: score layers {list(self.score_layers)} must be [lo:hi) with 0 <= lo < hi"
+                )
 
     @property
     def name(self) -> str:
-        """``deviation@1:0.15``, ``progressive@1:0.4,2:0.3``, ``oracle@1:0.15``."""
-        return f"{self.kind}@" + ",".join(f"{layer}:{ratio:g}" for layer, ratio in self.stages)
+        """``deviation@1:0.15``, ``progressive@1:0.4,2:0.3``, ``oracle@1:0.15``, ``question[15:30]@1:0.15``."""
+        kind = self.kind if self.score_layers is None else f"{self.kind}[{self.score_layers[0]}:{self.score_layers[1]}]"
+        return f"{kind}@" + ",".join(f"{layer}:{ratio:g}" for layer, ratio in self.stages)
+
+    def question_layers(self, num_layers: int) -> range:
+        """The layers whose attention the ``question`` rule sums, in a model of ``num_layers`` layers."""
+        lo, hi = self.score_layers or (num_layers // 2, num_layers)
+        return range(lo, min(hi, num_layers))
 
 
 def parse_rule(text: str) -> Rule:
-    """A :class:`Rule` from its :attr:`Rule.name` form, ``kind@layer:ratio[,layer:ratio...]``.
+    """A :class:`Rule` from its :attr:`Rule.name` form, ``kind[lo:hi]@layer:ratio[,layer:ratio...]`` (``[lo:hi]``:
+    ``question``'s score layers, optional).
 
     Raises:
         ValueError: not of that form, or the rule is invalid (:class:`Rule`).
     """
     kind, sep, stages_text = text.partition("@")
+    score_layers = None
     try:
         if not sep:
             raise ValueError
+        if kind.endswith("]") and "[" in kind:
+            kind, _, bounds = kind[:-1].partition("[")
+            lo, hi = bounds.split(":")
+            score_layers = (int(lo), int(hi))
         stages = tuple((int(a), float(b)) for a, b in (s.split(":") for s in stages_text.split(",")))
     except ValueError:
         raise ValueError(
-            f"rule {text!r} is not kind@layer:ratio[,layer:ratio...] (e.g. deviation@1:0.15), kinds: {list(RULE_KINDS)}"
+            f"rule {text!r} is not kind[lo:hi]@layer:ratio[,layer:ratio...] (e.g. deviation@1:0.15, "
+            f"question[15:30]@1:0.15), kinds: {list(RULE_KINDS)}"
         ) from None
-    return Rule(kind, stages)  # type: ignore[arg-type]  # Rule checks the kind
+    return Rule(kind, stages, score_layers)  # type: ignore[arg-type]  # Rule checks the kind
 
 
 class ReferenceModel:
@@ -144,9 +173,30 @@ class ReferenceModel:
         values = kv[1].repeat_interleave(group, 1).transpose(0, 1)
         mask = torch.arange(kv.shape[1])[None, :] <= positions[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask[None])
+        return self._after_attention(i, hidden, out.transpose(0, 1))
+
+    def _after_attention(self, i: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s output projection of the attention ``out`` (``[n, num_heads, head_dim]``), residual, MLP."""
         layer = self.layers[i]
-        hidden = hidden + layer.self_attn.o_proj(out.transpose(0, 1).reshape(hidden.shape[0], -1))
+        hidden = hidden + layer.self_attn.o_proj(out.reshape(hidden.shape[0], -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def question_scores(self, kv: torch.Tensor, ids: list[int], layers: range) -> torch.Tensor:
+        """The attention each token of ``kv`` (``[num_layers, 2, S, ...]``, not modified) receives from ``ids``
+        computed after it (positions ``S..``), summed over heads, ``ids`` and ``layers``: float32 ``[S]``
+        (``ucm.kernels.blend.question_attention``)."""
+        start = kv.shape[2]
+        positions = torch.arange(start, start + len(ids))
+        hidden = self.embed(ids)
+        received = torch.zeros(start)
+        for i in range(max(layers, default=-1) + 1):
+            q, k, v = self.qkv(i, hidden, positions)
+            keys, values = torch.cat((kv[i, 0], k)), torch.cat((kv[i, 1], v))
+            out, got = question_attention(q, keys, values, scale=self.head_dim**-0.5)
+            if i in layers:
+                received += got[:start]
+            hidden = self._after_attention(i, hidden, out)
+        return received
 
     def empty_kv(self, n: int = 0) -> torch.Tensor:
         return torch.zeros((self.num_layers, 2, n, self.num_kv_heads, self.head_dim))
@@ -184,12 +234,14 @@ def chunk_spans(ids: list[int], chunk_end_id: int) -> list[tuple[int, int]]:
 @dataclass
 class BlendResult:
     """One blend: ``kv`` over the context (``[num_layers, 2, T, num_kv_heads, head_dim]``), the first run token
-    ``start``, the run's ``stored`` and ``recomputed`` token counts (recomputed: after the rule's last stage)."""
+    ``start``, the run's ``stored`` and ``recomputed`` token counts (recomputed: after the rule's last stage) and
+    the positions recomputed then (``chosen``, int64, sorted)."""
 
     kv: torch.Tensor
     start: int
     stored: int
     recomputed: int
+    chosen: torch.Tensor
 
 
 def blend(
@@ -202,14 +254,16 @@ def blend(
     block_size: int = 32,
     chunk_context: ChunkContext = "first_chunk",
     full_kv: torch.Tensor | None = None,
+    query_ids: list[int] | None = None,
 ) -> BlendResult:
     """Blend the context ``ids`` (ending with the last chunk's ``chunk_end_id``), as the engine does (module
     docstring). ``store`` maps a chunk's token tuple (after the head, with ``first_chunk``) to its KV from position
-    0; a chunk not in it is computed and added. ``full_kv``: the full prefill's KV of ``ids``, needed by ``oracle``.
+    0; a chunk not in it is computed and added. ``full_kv``: the full prefill's KV of ``ids``, needed by ``oracle``;
+    ``query_ids``: the prompt's tokens after ``ids`` (the question), needed by ``question``.
 
     Raises:
         ValueError: ``ids`` has fewer than two chunks or does not end with ``chunk_end_id``, a stage layer is not a
-            layer of the model, or ``oracle`` without ``full_kv``.
+            layer of the model, ``oracle`` without ``full_kv``, or ``question`` without ``query_ids``.
     """
     spans = chunk_spans(ids, chunk_end_id)
     if len(spans) < 2 or spans[-1][1] != len(ids):
@@ -218,6 +272,8 @@ def blend(
         raise ValueError(f"rule {rule.name}: layer {rule.stages[-1][0]} >= the model's {model.num_layers} layers")
     if rule.kind == "oracle" and full_kv is None:
         raise ValueError("the oracle rule needs the full prefill's KV (full_kv)")
+    if rule.kind == "question" and not query_ids:
+        raise ValueError("the question rule needs the prompt's tokens after the context (query_ids)")
     head = spans[0][1] if chunk_context == "first_chunk" else 0
     exact_end = spans[1][1] if chunk_context == "first_chunk" else spans[0][1]
     start = exact_end // block_size * block_size  # the stored prefix: whole blocks of what a prefix hit covers
@@ -244,6 +300,9 @@ def blend(
         stored[lo - start : hi - start] = True
     num_stored = int(stored.sum())
     kv = torch.cat((prefix, stored_kv), dim=2)
+    if rule.kind == "question":  # the question over the naive KV (before any recompute)
+        assert query_ids is not None
+        question = model.question_scores(kv, query_ids, rule.question_layers(model.num_layers))[start:]
     positions = torch.arange(start, len(ids))
     rows = torch.arange(n)  # run rows computed at this layer
     hidden = model.embed(ids[start:])
@@ -260,6 +319,8 @@ def blend(
             for j in range(i + 1, model.num_layers):
                 full = full_kv[j, :, start + rows]
                 score += kv_deviation(stored_kv[j, 0, rows], stored_kv[j, 1, rows], full[0], full[1]).float()
+        elif rule.kind == "question":
+            score = question[rows]
         else:
             score = kv_deviation(k, v, stored_kv[i, 0, rows], stored_kv[i, 1, rows]).float()
         have = stored[rows]
@@ -267,4 +328,4 @@ def blend(
         keep = recompute_count(num_stored, stages[i]) + int((~have).sum())
         picked = torch.argsort(score, descending=True, stable=True)[:keep].sort().values
         rows, hidden = rows[picked], hidden[picked]
-    return BlendResult(kv, start, num_stored, int(rows.shape[0]))
+    return BlendResult(kv, start, num_stored, int(rows.shape[0]), rows + start)

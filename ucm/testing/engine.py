@@ -58,7 +58,8 @@ DP_HIT_RE = re.compile(HIT_RE.pattern + r", dp rank: (\d+)")
 # tokens recomputed after the check layer, chunk loads and computations (ms), the pass (ms).
 BLEND_RE = re.compile(
     r"request_id: (\S+), blend of tokens (\d+)-(\d+): (\d+) chunks, (\d+) tokens with their chunk's own KV \((\d+) "
-    r"chunks were not stored: computed on their own and stored now\), (\d+) recomputed after \S+ \(ratio [\d.]+\); "
+    r"chunks were not stored: computed on their own and stored now\), (\d+) recomputed after \S+ \(ratio [\d.]+, by "
+    r"(?:KV deviation|the question's attention)\); "
     r"chunks ([\d.]+) ms, pass ([\d.]+) ms"
 )
 _RESULT_PREFIX = "UCM_ENGINE_RESULT "

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -67,8 +68,8 @@ from ucm.config import BlendConfig, UcmConfigError
 from ucm.hashing import block_keys, rank_keys
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlendTransfer
-from ucm.kernels.blend import kv_deviation, rope_delta_, select_recompute
-from ucm.kernels.layouts import CPU_LAYOUTS, KVLayout
+from ucm.kernels.blend import kv_deviation, question_attention, rope_delta_, select_recompute
+from ucm.kernels.layouts import CPU_LAYOUTS, KVLayout, cpu_attn_kv_views
 from ucm.logger import init_logger
 from ucm.store.base import UcmKVStoreBase
 
@@ -165,9 +166,12 @@ class BlendPass:
             where ``stored`` says so on entry; each layer's computed rows are recorded into it.
         stored: bool ``[T]``: which run tokens have stored KV (the others are always recomputed).
         check_layer / ratio: where and how many tokens are chosen (``compute_meta``).
+        scores: float32 ``[T]`` or None: the rows' scores for ``selection: question`` (:class:`QuestionProbe`);
+            None: the deviation at ``check_layer`` ranks them.
         rows: int64 the run rows the layers compute now (all, then the chosen ones after ``check_layer``).
         chosen: set by :meth:`attend` at ``check_layer``: the rows recomputed from then on, sorted: the ``ratio`` of
-            the stored rows whose K and V deviate most from the stored ones, and every row without stored KV.
+            the stored rows of highest score (by default, whose K and V deviate most from the stored ones), and
+            every row without stored KV.
     """
 
     layer_of: dict[str, int]
@@ -179,6 +183,7 @@ class BlendPass:
     stored: torch.Tensor
     check_layer: int
     ratio: float
+    scores: torch.Tensor | None = None
     rows: torch.Tensor = field(init=False)
     chosen: torch.Tensor | None = None
     _metadata: CPUAttentionMetadata | None = field(default=None, init=False)
@@ -213,8 +218,11 @@ class BlendPass:
         k_new, v_new = key.view(n, *self.kv.shape[3:]), value.view(n, *self.kv.shape[3:])
         if i == self.check_layer:  # every row is computed here: rank the stored ones, keep the others
             have = self.stored.nonzero().flatten()
-            deviation = kv_deviation(k_new[have], v_new[have], self.kv[i, 0, have], self.kv[i, 1, have])
-            picked = have[select_recompute(deviation, self.ratio)]
+            if self.scores is None:
+                score = kv_deviation(k_new[have], v_new[have], self.kv[i, 0, have], self.kv[i, 1, have])
+            else:
+                score = self.scores[have]
+            picked = have[select_recompute(score, self.ratio)]
             self.chosen = torch.cat((picked, (~self.stored).nonzero().flatten())).sort().values
         self.kv[i, 0, self.rows] = k_new
         self.kv[i, 1, self.rows] = v_new
@@ -246,6 +254,61 @@ class BlendPass:
             dtype=dtype,
             isa=isa,
         )
+
+
+@dataclass
+class QuestionProbe:
+    """The attention metadata of ``selection: question``'s probe: the prompt's tokens after the run (the question)
+    go through the model's layers over the naive KV of the prompt (the prefix from the paged KV, the run's stored KV,
+    zeros where none is stored), each layer attending with :func:`ucm.kernels.blend.question_attention` (torch,
+    float32 softmax), and the attention each run token receives is summed over the heads, the question's tokens and
+    the layers ``layers``. Nothing is written to the paged KV.
+
+    Attributes:
+        layer_of: attention layer name -> decoder layer index.
+        caches: attention layer name -> vLLM's paged KV (read: the prefix); layout: its CPU layout.
+        prefix_blocks: int64 vLLM block ids holding tokens ``[0, start)``; start: the run's first token.
+        kv: ``[num_layers, 2, T, num_kv_heads, head_dim]`` the run's stored KV (zeros where none), keys at their
+            positions in this prompt.
+        layers: the decoder layers whose attention is summed.
+        received: float32 ``[start + T]``: per prompt token up to the run's end, the attention summed so far.
+    """
+
+    layer_of: dict[str, int]
+    caches: dict[str, torch.Tensor]
+    layout: KVLayout
+    prefix_blocks: torch.Tensor
+    start: int
+    kv: torch.Tensor
+    layers: range
+    received: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.received = torch.zeros(self.start + self.kv.shape[2], dtype=torch.float32)
+
+    def attend(
+        self,
+        impl: CPUAttentionBackendImpl,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """One layer of the probe: the question's rows (``query`` ``[m, num_heads, head_dim]``, ``key`` / ``value``
+        ``[m, num_kv_heads, head_dim]``, post-RoPE) attend to the prompt's naive KV and to each other (causal);
+        the result goes into ``output`` (``[m, num_heads, head_dim]``)."""
+        i = self.layer_of[layer.layer_name]
+        shape = self.kv.shape[3:]
+        k_pages, v_pages = cpu_attn_kv_views(self.caches[layer.layer_name], self.layout)
+        prefix_k = k_pages[self.prefix_blocks].reshape(-1, *shape)[: self.start]
+        prefix_v = v_pages[self.prefix_blocks].reshape(-1, *shape)[: self.start]
+        keys = torch.cat((prefix_k, self.kv[i, 0], key.view(-1, *shape)))
+        values = torch.cat((prefix_v, self.kv[i, 1], value.view(-1, *shape)))
+        out, received = question_attention(query, keys, values, scale=float(impl.scale))
+        output.copy_(out)
+        if i in self.layers:
+            self.received += received[: self.received.shape[0]]
 
 
 @dataclass(frozen=True)
@@ -281,6 +344,7 @@ class Blender:
         self._attn: list[Any] = []  # each decoder layer's vLLM Attention module (its layer_name, impl)
         self._embed: Any = None
         self._rope: _Rope | None = None
+        self._question_layers = range(0)
 
     def bind(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> None:
         """Take vLLM's paged KV and find the model's layers (at ``register_kv_caches``, after the model loaded).
@@ -337,19 +401,34 @@ class Blender:
                 "RotaryEmbedding (plain RoPE: a chunk's keys are moved by rotating them)"
             )
         self._rope = _Rope(int(rotary.rotary_dim), float(rotary.base), bool(rotary.is_neox_style))
+        num_layers = len(self._layers)
+        lo, hi = self._cfg.question_layers or (num_layers // 2, num_layers)
+        if hi > num_layers:
+            raise UcmConfigError(
+                f"ucm_sparse_config.Blend.question_layers {self._cfg.question_layers} ends past the model's "
+                f"{num_layers} layers; allowed: [first, end) with 0 <= first < end <= {num_layers}"
+            )
+        self._question_layers = range(lo, hi)
         self._embed = getattr(inner, "embed_input_ids", None) or inner.get_input_embeddings
         self._kv_caches = {a.layer_name: kv_caches[a.layer_name] for a in self._attn}
         self._layout = layout
         logger.info(
-            "CacheBlend on: chunks end with token id %d; tokens chosen at %s, ratio %.2f; chunks the store lacks "
+            "CacheBlend on: chunks end with token id %d; tokens chosen at %s, ratio %.2f, %s; chunks the store lacks "
             "are %s",
             self._cfg.chunk_end_token_id,
             check,
             self._cfg.ratio,
+            self._selection_text(),
             "computed on their own and stored" if self._cfg.store_chunks else "recomputed in place, not stored",
         )
         if self._cfg.chunk_context == "first_chunk":
             logger.info("CacheBlend: each chunk's KV is computed and looked up after the prompt's first chunk")
+
+    def _selection_text(self) -> str:
+        if self._cfg.selection == "deviation":
+            return "by KV deviation"
+        layers = self._question_layers
+        return f"by the question's attention over layers {layers.start}-{layers.stop - 1}"
 
     def blend(self, t: BlendTransfer) -> None:
         """Fill tokens ``[t.start, t.end)`` of request ``t.req_id`` into its blocks of the paged KV (see the module
@@ -403,23 +482,60 @@ class Blender:
         for i, attn in enumerate(self._attn[first:], start=first):
             attn.impl.do_kv_cache_update(attn, kv[i, 0], kv[i, 1], self._kv_caches[attn.layer_name], slots)
         table = ids.to(torch.int32)[None, :]
-        chosen = self._run_layers(t.token_ids[start:end], positions, self._kv_caches, table, slots, kv, stored)
+        scores = None
+        if self._cfg.selection == "question" and t.query_ids and stored.any():
+            scores = self._question_scores(t.query_ids, ids[: -(-start // bs)], start, kv)
+        rows = self._run_layers(t.token_ids[start:end], positions, self._kv_caches, table, slots, kv, stored, scores)
         logger.info(
             "request_id: %s, blend of tokens %d-%d: %d chunks, %d tokens with their chunk's own KV (%d chunks were "
-            "not stored: computed on their own and stored now), %d recomputed after %s (ratio %.2f); chunks %.0f ms, "
-            "pass %.0f ms",
+            "not stored: computed on their own and stored now), %d recomputed after %s (ratio %.2f, %s); chunks "
+            "%.0f ms, pass %.0f ms",
             t.req_id,
             start,
             end,
             sum(1 for _, e in t.spans if e > start),
             reused,
             computed,
-            chosen,
+            rows.numel(),
             next(iter(self._cfg.compute_meta)),
             self._cfg.ratio,
+            "by KV deviation" if scores is None else "by the question's attention",
             (t1 - t0) * 1e3,
             (time.perf_counter() - t1) * 1e3,
         )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request_id: %s, blend recomputed positions: %s", t.req_id, (rows + start).tolist())
+
+    def _question_scores(
+        self, query_ids: list[int], prefix_blocks: torch.Tensor, start: int, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """``selection: question``: the attention each run token receives from ``query_ids`` (the prompt's tokens
+        after the run, at the positions after it) over the prompt's naive KV, summed over the heads, the question's
+        tokens and ``question_layers`` (:class:`QuestionProbe`): float32 ``[T]``. ``prefix_blocks``: int64 the vLLM
+        blocks of tokens ``[0, start)``; ``kv``: the run's stored KV (``[num_layers, 2, T, num_kv_heads,
+        head_dim]``, zeros where none)."""
+        assert self._layout is not None
+        probe = QuestionProbe(
+            layer_of={a.layer_name: i for i, a in enumerate(self._attn)},
+            caches=self._kv_caches,
+            layout=self._layout,
+            prefix_blocks=prefix_blocks,
+            start=start,
+            kv=kv,
+            layers=self._question_layers,
+        )
+        end = start + kv.shape[2]
+        positions = torch.arange(end, end + len(query_ids))
+        ids = torch.tensor(query_ids, dtype=torch.int64)
+        with (
+            torch.inference_mode(),
+            set_forward_context({a.layer_name: probe for a in self._attn}, self._vllm_config, slot_mapping={}),
+        ):
+            hidden = self._embed(ids)
+            residual = None
+            for layer in self._layers[: self._question_layers.stop]:
+                hidden, residual = layer(positions, hidden, residual)
+        return probe.received[start:]
 
     def _chunk_kv(self, seed: bytes, tokens: list[int], skip: int = 0) -> tuple[torch.Tensor, bool]:
         """The stored KV of ``tokens`` (a chunk, after ``skip`` tokens of context: the prompt's head, or none) from
@@ -472,13 +588,15 @@ class Blender:
         slots: torch.Tensor,
         kv: torch.Tensor,
         stored: torch.Tensor,
-    ) -> int:
+        scores: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run ``tokens`` at ``positions`` (contiguous) through the model's decoder layers over the paged KV
         ``caches`` (see :class:`BlendPass`: the tokens' ``slots`` of the request whose blocks are ``block_table``;
         the KV before them and, after the check layer, the run's stored KV already there), recomputing every token up
-        to the check layer and the chosen ones after it (all when none is ``stored``); ``kv`` (``[num_layers, 2, T,
-        num_kv_heads, head_dim]``) holds the stored KV on entry and the run's KV on return, as ``caches`` do.
-        Returns the tokens recomputed after the check layer."""
+        to the check layer and the chosen ones after it (all when none is ``stored``; chosen by ``scores``, float32
+        ``[T]``, when given, else by KV deviation); ``kv`` (``[num_layers, 2, T, num_kv_heads, head_dim]``) holds the
+        stored KV on entry and the run's KV on return, as ``caches`` do. Returns the rows (int64, sorted) recomputed
+        after the check layer."""
         state = BlendPass(
             layer_of={a.layer_name: i for i, a in enumerate(self._attn)},
             caches=caches,
@@ -489,6 +607,7 @@ class Blender:
             stored=stored,
             check_layer=self._cfg.check_layer,
             ratio=self._cfg.ratio,
+            scores=scores,
         )
         metadata = {a.layer_name: state for a in self._attn}
         ids = torch.tensor(tokens, dtype=torch.int64)
@@ -504,4 +623,4 @@ class Blender:
                     state.select(state.rows[keep])
                     if not keep.numel():
                         break
-        return int(state.rows.numel())
+        return state.rows

@@ -39,6 +39,7 @@ class BlendTransfer:
             the last one possibly cut at ``end``).
         block_ids: the vLLM blocks of tokens ``[0, end)``.
         seed: the request's key-chain seed (``ucm.hashing.request_seed``): a chunk's blocks are keyed from it.
+        query_ids: the prompt's tokens after ``end`` (the question; read by ``selection: question``).
     """
 
     req_id: str
@@ -48,6 +49,7 @@ class BlendTransfer:
     spans: list[tuple[int, int]]
     block_ids: list[int]
     seed: bytes
+    query_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

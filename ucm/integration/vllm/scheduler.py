@@ -310,7 +310,8 @@ class UCMScheduler:
         if end <= start:
             return 0
         seed = request_seed(self._namespace, request.cache_salt, None)
-        state.blend = BlendTransfer(request.request_id, list(tokens[:end]), start, end, spans, [], seed)
+        query = list(tokens[end:]) if self._blend.selection == "question" else []
+        state.blend = BlendTransfer(request.request_id, list(tokens[:end]), start, end, spans, [], seed, query)
         return end - num_computed_tokens
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

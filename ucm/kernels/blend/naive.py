@@ -60,3 +60,22 @@ def select_recompute_reference(
     if always is not None:
         chosen.update(t for t, must in enumerate(always.cpu().tolist()) if must)
     return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+def question_attention_reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Test oracle of ``question_attention``: causal softmax attention of the last ``m`` tokens (``query`` ``[m,
+    num_heads, head_dim]``) over ``keys`` / ``values`` (``[S, num_kv_heads, head_dim]``), in float64; returns the
+    output ``[m, num_heads, head_dim]`` in ``query``'s dtype and the attention each key receives, summed over heads
+    and queries (float64 ``[S]``), on CPU."""
+    m, num_heads, _ = query.shape
+    s = keys.shape[0]
+    group = num_heads // keys.shape[1]
+    q = query.cpu().to(torch.float64).transpose(0, 1)  # [H, m, D]
+    k = keys.cpu().to(torch.float64).repeat_interleave(group, 1).transpose(0, 1)  # [H, S, D]
+    v = values.cpu().to(torch.float64).repeat_interleave(group, 1).transpose(0, 1)
+    logits = q @ k.transpose(1, 2) * scale  # [H, m, S]
+    visible = torch.arange(s)[None, :] <= torch.arange(s - m, s)[:, None]
+    probs = logits.masked_fill(~visible, -math.inf).softmax(-1)
+    return (probs @ v).transpose(0, 1).to(query.dtype), probs.sum(dim=(0, 1))

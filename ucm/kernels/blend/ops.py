@@ -1,7 +1,9 @@
 """CacheBlend's kernels (Yao et al., "CacheBlend: Fast Large Language Model Serving for RAG with Cached Knowledge
 Fusion", EuroSys 2025, arXiv 2405.16444): re-aligning the keys of a stored chunk to its new positions
-(:func:`rope_delta_`), the per-token KV deviation between recomputed and stored KV (:func:`kv_deviation`) and the
-choice of the tokens to recompute from it (:func:`select_recompute`); validation, then dispatch by ``impl``.
+(:func:`rope_delta_`), the per-token KV deviation between recomputed and stored KV (:func:`kv_deviation`), the
+attention that the prompt's question pays to each stored token (:func:`question_attention`, an alternative score)
+and the choice of the tokens to recompute from a score (:func:`select_recompute`); validation, then dispatch by
+``impl``.
 
 CacheBlend reuses the KV of text chunks cached on their own (each from position 0, or wherever it was first seen)
 inside a new prompt where they sit elsewhere and after other chunks. Two corrections make the reused KV usable:
@@ -45,8 +47,19 @@ from __future__ import annotations
 
 import torch
 
-from ucm.kernels.blend.naive import kv_deviation_reference, rope_delta_reference, select_recompute_reference
-from ucm.kernels.blend.torch import delta_cos_sin, kv_deviation_torch, rope_delta_torch, select_recompute_torch
+from ucm.kernels.blend.naive import (
+    kv_deviation_reference,
+    question_attention_reference,
+    rope_delta_reference,
+    select_recompute_reference,
+)
+from ucm.kernels.blend.torch import (
+    delta_cos_sin,
+    kv_deviation_torch,
+    question_attention_torch,
+    rope_delta_torch,
+    select_recompute_torch,
+)
 from ucm.kernels.blend.triton import kv_deviation_triton, rope_delta_triton
 from ucm.kernels.utils import Impl, resolve_impl
 
@@ -199,3 +212,54 @@ def select_recompute(
     if which == "reference":
         return select_recompute_reference(deviation, ratio, always=always).to(deviation.device)
     return select_recompute_torch(deviation, ratio, always)  # "cpu" and "torch": the torch code
+
+
+def question_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float, impl: Impl = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax attention of a prompt's last ``m`` tokens over the sequence, and how much attention each
+    token of the sequence receives from them: CacheBlend's ``question`` score (``ucm.integration.vllm.blend``), the
+    attention of the prompt's question over the naive KV, summed over a range of layers.
+
+    Query row ``r`` sits at position ``S - m + r`` and sees the keys ``0 .. S - m + r`` (the sequence's own last
+    ``m`` rows are the query tokens' K and V). Query head ``h`` reads KV head ``h // (num_heads / num_kv_heads)``
+    (grouped-query attention). Logits, softmax and sums in float32 (``"reference"``: float64).
+
+    Args:
+        query: ``[m, num_heads, head_dim]`` post-RoPE queries of the last ``m`` tokens.
+        keys, values: ``[S, num_kv_heads, head_dim]``, ``S >= m``, post-RoPE keys at positions ``0 .. S - 1``; all
+            three of one dtype (float32/bfloat16/float16) and device; ``num_heads`` a multiple of ``num_kv_heads``.
+        scale: the logits' scale (``head_dim ** -0.5`` in most models).
+        impl: ``"auto"`` (torch code on every device: no Triton kernel), ``"cpu"``, ``"torch"`` or ``"reference"``.
+
+    Returns:
+        The attention output ``[m, num_heads, head_dim]`` in ``query``'s dtype, and float32 ``[S]``: per key, its
+        attention probabilities summed over the query rows and heads (the whole sums to ``m * num_heads``).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, or unknown ``impl`` (``"triton"`` included).
+    """
+    which = resolve_impl(impl, query.device, available=("cpu", "torch", "reference"), op="question_attention")
+    if query.dim() != 3 or query.dtype not in KV_DTYPES:
+        raise ValueError(
+            f"query must be float32/bfloat16/float16 [m, num_heads, head_dim], got {query.dtype} {tuple(query.shape)}"
+        )
+    m, num_heads, head_dim = query.shape
+    for name, t in (("keys", keys), ("values", values)):
+        if (
+            t.dim() != 3
+            or t.shape[0] < m
+            or t.shape[2] != head_dim
+            or t.shape != keys.shape
+            or num_heads % t.shape[1]
+            or t.dtype != query.dtype
+            or t.device != query.device
+        ):
+            raise ValueError(
+                f"{name} must be {query.dtype} [S >= {m}, num_kv_heads dividing {num_heads}, {head_dim}] on "
+                f"{query.device} (keys and values alike), got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    if which == "reference":
+        out, received = question_attention_reference(query, keys, values, scale)
+        return out.to(query.device), received.to(device=query.device, dtype=torch.float32)
+    return question_attention_torch(query, keys, values, scale)

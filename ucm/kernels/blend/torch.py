@@ -76,3 +76,23 @@ def select_recompute_torch(deviation: torch.Tensor, ratio: float, always: torch.
     if always is not None:
         chosen = chosen | always
     return torch.nonzero(chosen).flatten()
+
+
+def question_attention_torch(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ucm.kernels.blend.question_attention` in torch ops, one KV head's group of query heads at a time
+    (float32 logits ``[group, m, S]``): logits and softmax in float32, the output rounded to ``query``'s dtype."""
+    m, num_heads, _ = query.shape
+    s, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    visible = torch.arange(s, device=query.device)[None, :] <= torch.arange(s - m, s, device=query.device)[:, None]
+    out = torch.empty_like(query)
+    received = torch.zeros(s, dtype=torch.float32, device=query.device)
+    for h in range(num_kv_heads):
+        q = query[:, h * group : (h + 1) * group].transpose(0, 1).float()  # [group, m, D]
+        k, v = keys[:, h].float(), values[:, h].float()  # [S, D]
+        probs = (q @ k.T * scale).masked_fill(~visible, float("-inf")).softmax(-1)  # [group, m, S]
+        out[:, h * group : (h + 1) * group] = (probs @ v).transpose(0, 1).to(query.dtype)
+        received += probs.sum(dim=(0, 1))
+    return out, received
