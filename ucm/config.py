@@ -520,8 +520,8 @@ class BlendConfig(_Strict):
     )
     question_layers: list[int] | None = Field(
         None,
-        description="selection 'question': the decoder layers [first, last + 1) whose attention is summed; null: the "
-        "later half of the model's layers.",
+        description="selection 'question': the decoder layers [first, end) whose attention is summed, e.g. [15, 30]; "
+        "null: the later half of the model's layers.",
     )
 
     @model_validator(mode="after")

@@ -33,11 +33,15 @@ The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
    computed, as one prefill over the prefix; at that layer the tokens whose recomputed K and V deviate most from
    the stored ones (``ratio`` of the tokens with stored KV, ``ucm.kernels.blend``), plus the tokens without stored
    KV, are chosen, and only they go through the later layers, each as a one-token row at its position; the other
-   tokens keep their stored KV there. The paged cache then holds the run's KV.
+   tokens keep their stored KV there. The paged cache then holds the run's KV. With ``selection: question`` the
+   ``ratio`` is taken by another score, computed before the pass (:class:`QuestionProbe`): the prompt's tokens after
+   the run (the question) go through the layers over the prompt's naive KV (prefix, stored KV, zeros), and each run
+   token scores the attention it receives from them over ``question_layers``.
 
 The model's layers are called with a forward context whose attention metadata is this module's
-:class:`BlendPass`; UCM's attention wrapper (``ucm.integration.vllm.sparse_backend``) hands such calls to it, and
-vLLM's cache writer sees no slot mapping, so nothing else is written. A chunk computed on its own runs the same
+:class:`BlendPass` (or :class:`QuestionProbe`, both :class:`BlendAttention`); UCM's attention wrapper
+(``ucm.integration.vllm.sparse_backend``) hands such calls to it, and vLLM's cache writer sees no slot mapping, so
+nothing else is written. A chunk computed on its own runs the same
 pass over a scratch paged KV of its blocks. ``ratio: 1`` recomputes every token with vLLM's kernel: the full
 prefill's KV.
 
@@ -146,8 +150,28 @@ def cpu_attention_metadata(
     )
 
 
+class BlendAttention:
+    """The attention metadata of CacheBlend's own calls of the model's decoder layers (:class:`BlendPass`,
+    :class:`QuestionProbe`): UCM's attention wrapper (``ucm.integration.vllm.sparse_backend``) hands each attention
+    layer's call to :meth:`attend` instead of running vLLM's forward."""
+
+    def attend(
+        self,
+        impl: CPUAttentionBackendImpl,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """One attention layer: ``impl`` the layer's vLLM CPU attention impl, ``layer`` the ``Attention`` module
+        (``layer_name``, ``isa``); ``query`` ``[n, num_heads, head_dim]``, ``key`` / ``value`` ``[n, num_kv_heads,
+        head_dim]`` (post-RoPE) of the rows the caller computes; ``output`` ``[n, num_heads, head_dim]``, written."""
+        raise NotImplementedError
+
+
 @dataclass
-class BlendPass:
+class BlendPass(BlendAttention):
     """The attention metadata of a blend's pass through the model's layers (every attention layer gets this object;
     UCM's attention wrapper calls :meth:`attend` instead of its own forward).
 
@@ -257,7 +281,7 @@ class BlendPass:
 
 
 @dataclass
-class QuestionProbe:
+class QuestionProbe(BlendAttention):
     """The attention metadata of ``selection: question``'s probe: the prompt's tokens after the run (the question)
     go through the model's layers over the naive KV of the prompt (the prefix from the paged KV, the run's stored KV,
     zeros where none is stored), each layer attending with :func:`ucm.kernels.blend.question_attention` (torch,

@@ -12,8 +12,8 @@ writes the step's KV before ``forward``), the output rows of the requests longer
 rectified positions (``ucm.kernels.rerope.torch``), each request's values and re-rotated far keys kept for its next
 step (:class:`KeptRequestKV`, checked against the block allocations UCMConnector reports, :class:`BlockAllocations`);
 vLLM's kernel runs only in steps that also have rows no longer than the window, which are ReRoPE's already. A
-CacheBlend pass or probe (its metadata a ``BlendPass`` or a ``QuestionProbe``, see ``ucm.integration.vllm.blend``)
-gets its attention from that object instead of vLLM's kernel. With GSA on:
+CacheBlend pass or probe (its metadata a ``BlendAttention``, see ``ucm.integration.vllm.blend``) gets its attention
+from that object instead of vLLM's kernel. With GSA on:
 
 - every step it marks the blocks written this step (``slot_mapping``) stale in the layer's summary table;
 - for the rows of the batch with one query token (decode; also a one-token prefill chunk), it asks the method for
@@ -58,7 +58,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ucm.config import ReRoPEConfig, UcmConfigError, UcmSparseConfig, config_from_extra_config
-from ucm.integration.vllm.blend import BlendPass, QuestionProbe
+from ucm.integration.vllm.blend import BlendAttention
 from ucm.integration.vllm.engine_info import CPU_ISA_LAYOUTS
 from ucm.kernels.layouts import KVLayout
 from ucm.kernels.paged_keys import paged_keys
@@ -418,7 +418,7 @@ class UcmCPUAttentionImpl(CPUAttentionBackendImpl):
             UcmConfigError: a sparse method is on and ``layer.isa`` is a kernel variant UCM has not verified.
             ValueError: a sparse method is on and ``kv_cache`` does not fit the layout of ``layer.isa``.
         """
-        if isinstance(attn_metadata, (BlendPass, QuestionProbe)):  # CacheBlend's pass or probe runs the layer
+        if isinstance(attn_metadata, BlendAttention):  # CacheBlend's pass or probe runs the layer
             attn_metadata.attend(self, layer, query, key, value, output.view(query.shape[0], self.num_heads, -1))
             return output
         if self._method is not None and attn_metadata is not None and attn_metadata.dynamic_causal is None:

@@ -251,6 +251,7 @@ def question_attention(
             or t.shape[0] < m
             or t.shape[2] != head_dim
             or t.shape != keys.shape
+            or t.shape[1] == 0
             or num_heads % t.shape[1]
             or t.dtype != query.dtype
             or t.device != query.device
