@@ -2,8 +2,9 @@
 ``<file_sep>`` (token id 5 of SmolLM2's tokenizer) are computed on their own and stored the first time, then reused
 in any order, in the same process and after a restart, also computed after the prompt's first chunk
 (``chunk_context: first_chunk``); ``ratio: 1`` gives the full prefill's output, ``ratio: 0``
-really reuses stored KV (its output moves away from the full prefill's); a damaged chunk block is a miss that vLLM
-recomputes exactly. A random-weight 4-layer Llama (float32), so that the only differences are the blend's."""
+really reuses stored KV (its output moves away from the full prefill's); ``selection: question`` recomputes the
+positions the pure-torch reference picks; a damaged chunk block is a miss that vLLM recomputes exactly. A
+random-weight 4-layer Llama (float32), so that the only differences are the blend's."""
 
 from __future__ import annotations
 
