@@ -369,6 +369,7 @@ class Blender:
         self._embed: Any = None
         self._rope: _Rope | None = None
         self._question_layers = range(0)
+        self._layer_of: dict[str, int] = {}  # attention layer name -> decoder layer index
 
     def bind(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> None:
         """Take vLLM's paged KV and find the model's layers (at ``register_kv_caches``, after the model loaded).
@@ -409,6 +410,7 @@ class Blender:
                     "like vLLM's Llama"
                 )
             self._attn.append(attn)
+        self._layer_of = {a.layer_name: i for i, a in enumerate(self._attn)}
         check = next(iter(self._cfg.compute_meta))
         attn_names = [a.layer_name for a in self._attn]
         if check not in attn_names:
@@ -540,7 +542,7 @@ class Blender:
         head_dim]``, zeros where none)."""
         assert self._layout is not None
         probe = QuestionProbe(
-            layer_of={a.layer_name: i for i, a in enumerate(self._attn)},
+            layer_of=self._layer_of,
             caches=self._kv_caches,
             layout=self._layout,
             prefix_blocks=prefix_blocks,
@@ -622,7 +624,7 @@ class Blender:
         stored KV on entry and the run's KV on return, as ``caches`` do. Returns the rows (int64, sorted) recomputed
         after the check layer."""
         state = BlendPass(
-            layer_of={a.layer_name: i for i, a in enumerate(self._attn)},
+            layer_of=self._layer_of,
             caches=caches,
             block_table=block_table,
             slots=slots,
