@@ -7,6 +7,7 @@ Run::
                                          [--chunk-tokens 512] [--ratios 0.15] [--prompts 3] [--seed 0]
                                          [--max-tokens 8] [--check-layer model.layers.1.self_attn.attn]
                                          [--chunk-context none|first_chunk] [--selection deviation|question]
+                                         [--question-layers 15:30]
                                          [--keep-logs DIR] [--out results.json]
 
 Prompts. ``--chunks`` documents of ``--chunk-tokens`` tokens each, cut out of real text
@@ -39,8 +40,8 @@ the in-order prompt (its TTFT is ``ttft_first_ms``), then the measured prompts.
   head and stores it under the keys of head + document; a measured prompt's first document after the head is a
   stored prefix, and each other document's blocks are loaded from the one holding the head/document boundary on.
   With ``--selection question`` (Blend's ``selection``) the tokens recomputed after layer 1 are those the question
-  attends to most over the stored KV (a probe of the question through the layers before the pass), not those of
-  highest deviation.
+  attends to most over the stored KV (a probe of the question through the layers before the pass, its attention
+  summed over ``--question-layers``, Blend's ``question_layers``), not those of highest deviation.
 
 Reported per mode: ``ttft_ms``, the median TTFT (vLLM's ``first_token_latency``) over the measured prompts, with
 every sample; ``ratio_to_full``, the median over the prompts of the mode's TTFT / full prefill's TTFT of the same
@@ -78,7 +79,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
-from ucm.config import BLEND_LAYER_RE, BlendSelection, ChunkContext  # noqa: E402
+from ucm.config import BLEND_LAYER_RE, BlendSelection, ChunkContext, UcmConfigError, parse_config  # noqa: E402
 from ucm.testing.engine import (  # noqa: E402
     BLEND_RE,
     HIT_RE,
@@ -190,9 +191,11 @@ def ucm_config(
     check_layer: str = CHECK_LAYER,
     chunk_context: ChunkContext = "none",
     selection: BlendSelection = "deviation",
+    question_layers: list[int] | None = None,
 ) -> dict[str, Any]:
     """UCM's config: the store pipeline on ``store``, with Blend at ``ratio`` (chosen at ``check_layer`` by
-    ``selection``, chunks computed after ``chunk_context``) unless it is None."""
+    ``selection``, over ``question_layers`` when given, chunks computed after ``chunk_context``) unless it is
+    None."""
     config: dict[str, Any] = {
         "ucm_connectors": [
             {
@@ -211,6 +214,8 @@ def ucm_config(
                 "selection": selection,
             }
         }
+        if question_layers is not None:
+            config["ucm_sparse_config"]["Blend"]["question_layers"] = question_layers
     return config
 
 
@@ -335,6 +340,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--selection", choices=get_args(BlendSelection), default="deviation", help="Blend's selection of the tokens"
     )
+    p.add_argument(
+        "--question-layers",
+        type=lambda t: [int(x) for x in t.split(":")],
+        default=None,
+        help="Blend's question_layers FIRST:END (selection question; default: the later half of the layers)",
+    )
     p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
     args = p.parse_args(argv)
@@ -342,6 +353,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(
             f"--check-layer {args.check_layer!r}: not an attention layer name; allowed: model.layers.<i>.self_attn.attn"
         )
+    if args.question_layers is not None:  # the engine would refuse them only after full prefill's run
+        blend = {"chunk_end_token_id": 0, "selection": args.selection, "question_layers": args.question_layers}
+        try:
+            parse_config({"ucm_sparse_config": {"Blend": blend}})
+        except UcmConfigError as err:
+            p.error(f"--question-layers: {err}")
     if args.chunks < 2 or args.chunk_tokens < 1 or args.prompts < 1 or args.max_tokens < 1:
         p.error("need --chunks >= 2 and --chunk-tokens, --prompts, --max-tokens >= 1")
     try:
@@ -398,7 +415,15 @@ def main(argv: list[str] | None = None) -> int:
             runs[name] = run_mode(
                 name,
                 base,
-                ucm_config(store, chunk_end_id, ratio, args.check_layer, args.chunk_context, args.selection),
+                ucm_config(
+                    store,
+                    chunk_end_id,
+                    ratio,
+                    args.check_layer,
+                    args.chunk_context,
+                    args.selection,
+                    args.question_layers,
+                ),
                 role,
                 tmp,
                 keep_logs,
@@ -420,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         "check_layer": args.check_layer,
         "chunk_context": args.chunk_context,
         "selection": args.selection,
+        "question_layers": args.question_layers,
         "head_tokens": len(tokenizer.encode(head, add_special_tokens=False)) if head else 0,
         "chunks": args.chunks,
         "chunk_tokens": chunk_tokens,

@@ -22,7 +22,8 @@ BLEND_FIELDS = ("reused_tokens", "recomputed_tokens", "computed_chunks", "blend_
 
 def test_tiny_run_reports_every_mode_and_blend_reuses_stored_chunks() -> None:
     args = ["--model", "tiny", "--chunks", "2", "--chunk-tokens", "160", "--prompts", "1", "--max-tokens", "2",
-            "--check-layer", "model.layers.2.self_attn.attn", "--selection", "question"]  # fmt: skip
+            "--check-layer", "model.layers.2.self_attn.attn", "--selection", "question",
+            "--question-layers", "1:4"]  # fmt: skip
     run = subprocess.run(
         [sys.executable, str(BENCHMARKS / "blend.py"), *args], capture_output=True, text=True, timeout=600
     )
@@ -31,6 +32,7 @@ def test_tiny_run_reports_every_mode_and_blend_reuses_stored_chunks() -> None:
     assert summary["benchmark"] == "blend" and summary["command"] == "benchmarks/blend.py " + " ".join(args)
     assert {"machine", "versions", "date"} <= summary.keys() and summary["orders"] == [[1, 0]]
     assert summary["check_layer"] == "model.layers.2.self_attn.attn" and summary["selection"] == "question"
+    assert summary["question_layers"] == [1, 4]
     full, prefix, blend = summary["full"], summary["prefix_only"], summary["blend"]["0.15"]
     for row in (full, prefix, blend):
         assert all(field in row for field in MODE_FIELDS), row
@@ -57,6 +59,9 @@ def test_a_bad_check_layer_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--check-layer 'layers.1': not an attention layer name; allowed: model.layers.<i>.self_attn.attn" in (
         capsys.readouterr().err
     )
+    with pytest.raises(SystemExit):
+        load_script("blend").parse_args(["--question-layers", "4:1", "--selection", "question"])
+    assert "question_layers [4, 1] must be [first, end) with 0 <= first < end" in capsys.readouterr().err
 
 
 def test_shuffles_are_distinct_and_never_in_order() -> None:
