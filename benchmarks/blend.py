@@ -79,7 +79,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
-from ucm.config import BLEND_LAYER_RE, BlendSelection, ChunkContext, UcmConfigError, parse_config  # noqa: E402
+from ucm.config import BLEND_LAYER_RE, BlendSelection, ChunkContext  # noqa: E402
+from ucm.quality.blend import question_layers_error  # noqa: E402
 from ucm.testing.engine import (  # noqa: E402
     BLEND_RE,
     HIT_RE,
@@ -353,12 +354,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(
             f"--check-layer {args.check_layer!r}: not an attention layer name; allowed: model.layers.<i>.self_attn.attn"
         )
-    if args.question_layers is not None:  # the engine would refuse them only after full prefill's run
-        blend = {"chunk_end_token_id": 0, "selection": args.selection, "question_layers": args.question_layers}
-        try:
-            parse_config({"ucm_sparse_config": {"Blend": blend}})
-        except UcmConfigError as err:
-            p.error(f"--question-layers: {err}")
+    bad_layers = question_layers_error(args.selection, args.question_layers)  # before full prefill's run
+    if bad_layers is not None:
+        p.error(f"--question-layers: {bad_layers}")
     if args.chunks < 2 or args.chunk_tokens < 1 or args.prompts < 1 or args.max_tokens < 1:
         p.error("need --chunks >= 2 and --chunk-tokens, --prompts, --max-tokens >= 1")
     try:

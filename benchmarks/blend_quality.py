@@ -46,8 +46,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import emit_summary, load_avg, machine_info  # noqa: E402
-from ucm.config import BlendSelection, ChunkContext, UcmConfigError, parse_config  # noqa: E402
-from ucm.quality.blend import CHECK_LAYER, RATIOS, modes, pool_reports, run_blend_quality  # noqa: E402
+from ucm.config import BlendSelection, ChunkContext  # noqa: E402
+from ucm.quality.blend import (  # noqa: E402
+    CHECK_LAYER,
+    RATIOS,
+    modes,
+    pool_reports,
+    question_layers_error,
+    run_blend_quality,
+)
 from ucm.quality.harness import DTYPES  # noqa: E402
 from ucm.quality.tasks import BLEND_CHUNK_END, NUM_DOCS  # noqa: E402
 
@@ -170,12 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--pool: {err}")
         print("\n".join(pooled_lines(pooled)))
         return emit_summary({"benchmark": "blend_quality", "pooled": pooled}, args.out)
-    if args.question_layers is not None:  # the engine would reject it only after full prefill's run
-        blend = {"chunk_end_token_id": 0, "selection": args.selection, "question_layers": args.question_layers}
-        try:
-            parse_config({"ucm_sparse_config": {"Blend": blend}})
-        except UcmConfigError as err:
-            p.error(f"--question-layers: {err}")
+    bad_layers = question_layers_error(args.selection, args.question_layers)  # before full prefill's run
+    if bad_layers is not None:
+        p.error(f"--question-layers: {bad_layers}")
     if args.model == "smollm2":
         from ucm.testing.models import ensure_smollm2
 

@@ -70,3 +70,12 @@ def test_bad_seed_lists_and_reports_are_named(tmp_path: Path, capsys: pytest.Cap
     with pytest.raises(SystemExit):
         script.main(["--pool", str(other)])
     assert f"--pool: {other} is not a single-seed report of this script" in capsys.readouterr().err
+    for layers, needle in (
+        ("15:30", "question_layers [15, 30] is set but selection is 'deviation'"),
+        ("30:15", "question_layers [30, 15] must be [first, end) with 0 <= first < end"),
+        ("15", "question_layers [15] must be two numbers, [first, end)"),
+    ):
+        with pytest.raises(SystemExit):
+            script.main(["--question-layers", layers, "--selection", "question" if layers != "15:30" else "deviation"])
+        err = capsys.readouterr().err
+        assert "--question-layers: " in err and needle in err

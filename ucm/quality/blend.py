@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from ucm.config import BlendSelection, ChunkContext
+from ucm.config import BlendSelection, ChunkContext, UcmConfigError, parse_config
 from ucm.quality.harness import (
     DTYPES,
     RunOutput,
@@ -87,6 +87,19 @@ def modes(ratios: Sequence[float] = RATIOS, prefix_only: bool = True) -> list[Mo
         out.append(Mode("prefix_only", ucm=True))
     out += [Mode("naive_reuse" if r == 0 else f"blend_{r:g}", ucm=True, ratio=r) for r in ratios]
     return out
+
+
+def question_layers_error(selection: str, question_layers: Sequence[int] | None) -> str | None:
+    """Why the config would refuse ``Blend.question_layers`` with ``selection`` (its message), or None: for scripts
+    that check their arguments before any engine starts (an ``end`` past the model's layers is refused only then)."""
+    if question_layers is None:
+        return None
+    blend = {"chunk_end_token_id": 0, "selection": selection, "question_layers": list(question_layers)}
+    try:
+        parse_config({"ucm_sparse_config": {"Blend": blend}})
+    except UcmConfigError as err:
+        return str(err)
+    return None
 
 
 def chunk_end_token_id(tokenizer: Tokenizer, chunk_end: str) -> int:
