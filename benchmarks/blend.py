@@ -78,6 +78,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.blend_quality import layer_range  # noqa: E402
 from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
 from ucm.config import BLEND_LAYER_RE, BlendSelection, ChunkContext  # noqa: E402
 from ucm.quality.blend import question_layers_error  # noqa: E402
@@ -343,7 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--question-layers",
-        type=lambda t: [int(x) for x in t.split(":")],
+        type=layer_range,
         default=None,
         help="Blend's question_layers FIRST:END (selection question; default: the later half of the layers)",
     )

@@ -110,6 +110,15 @@ def seed_list(text: str) -> list[int]:
     return seeds
 
 
+def layer_range(text: str) -> list[int]:
+    """``"15:30"``: Blend's ``question_layers`` as ``[15, 30]`` (their rules are the config's:
+    ``ucm.quality.blend.question_layers_error``)."""
+    try:
+        return _numbers(int, text.replace(":", ","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIRST:END, two integers") from None
+
+
 def pooled_lines(pooled: dict[str, Any]) -> list[str]:
     """The pooled sample as text: right answers per mode, each mode's ratio to full prefill with its interval, and
     the right answers by the asked document's position."""
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--selection", default="deviation", choices=get_args(BlendSelection), help="Blend's selection")
     p.add_argument(
         "--question-layers",
-        type=lambda t: _numbers(int, t.replace(":", ",")),
+        type=layer_range,
         default=None,
         help="Blend's question_layers FIRST:END (selection question; default: the later half of the layers)",
     )
