@@ -346,7 +346,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--question-layers",
         type=layer_range,
         default=None,
-        help="Blend's question_layers FIRST:END (selection question; default: the later half of the layers)",
+        help="Blend's question_layers FIRST:END (selection question; default: every layer after the first quarter)",
     )
     p.add_argument("--keep-logs", default=None, help="copy each engine process's stderr into this directory")
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")

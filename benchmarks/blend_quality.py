@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "--question-layers",
         type=layer_range,
         default=None,
-        help="Blend's question_layers FIRST:END (selection question; default: the later half of the layers)",
+        help="Blend's question_layers FIRST:END (selection question; default: every layer after the first quarter)",
     )
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size (the store's unit)")

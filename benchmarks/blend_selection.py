@@ -11,10 +11,10 @@ Run::
 Rules (``--rule``, repeatable; ``kind[lo:hi]@layer:ratio[,layer:ratio...]``): ``deviation`` (UCM's engine rule
 by default: the tokens whose K and V deviate most at the layer), ``progressive`` (CacheBlend's gradual filtering
 over several layers), ``question`` (the tokens the question attends to most over the naive KV, summed over the
-layers ``[lo, hi)``, by default the later half; ``selection: question`` in the engine; blended for each question)
-and ``oracle`` (the tokens whose stored KV is farthest from full prefill's over the later layers: it needs the full
-prefill, so it is an upper bound for choosing that many tokens at that layer, not a rule an engine can run). See
-``ucm.quality.blend_reference``.
+layers ``[lo, hi)``, by default every layer after the first quarter; ``selection: question`` in the engine; blended
+for each question) and ``oracle`` (the tokens whose stored KV is farthest from full prefill's over the later
+layers: it needs the full prefill, so it is an upper bound for choosing that many tokens at that layer, not a rule
+an engine can run). See ``ucm.quality.blend_reference``.
 
 The prompts are ``benchmarks/blend_quality.py``'s (``ucm.quality.tasks.blend_items``, chunk end ``<file_sep>``),
 and the store is primed the same way: every chunk is in the store before a question is scored. The reference is

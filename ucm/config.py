@@ -483,6 +483,13 @@ BlendSelection = Literal["deviation", "question"]  # BlendConfig.selection's val
 BLEND_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
 
 
+def default_question_layers(num_layers: int) -> tuple[int, int]:
+    """``BlendConfig.question_layers``' default in a model of ``num_layers`` decoder layers: every layer after the
+    first quarter, ``[ceil(num_layers / 4), num_layers)`` (``[8, 30]`` of SmolLM2's 30; ``[0, 1]`` of a one-layer
+    model)."""
+    return min(-(-num_layers // 4), num_layers - 1), num_layers
+
+
 class BlendConfig(_Strict):
     """``ucm_sparse_config.Blend``: CacheBlend (Yao et al., EuroSys 2025, arXiv 2405.16444): reuse the stored KV of
     the prompt's chunks wherever they appear, recomputing the tokens whose KV deviates most (see
@@ -520,8 +527,8 @@ class BlendConfig(_Strict):
     )
     question_layers: list[int] | None = Field(
         None,
-        description="selection 'question': the decoder layers [first, end) whose attention is summed, e.g. [15, 30]; "
-        "null: the later half of the model's layers.",
+        description="selection 'question': the decoder layers [first, end) whose attention is summed, e.g. [8, 30]; "
+        "null: every layer after the first quarter of the model's layers ([8, 30] of 30).",
     )
 
     @model_validator(mode="after")

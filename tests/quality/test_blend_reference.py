@@ -101,7 +101,7 @@ def test_rules_and_errors_are_named(model: ReferenceModel) -> None:
     assert parse_rule("progressive@1:0.4,3:0.15").stages == ((1, 0.4), (3, 0.15))
     assert parse_rule("oracle@2:0.1").name == "oracle@2:0.1"
     assert parse_rule("question[2:4]@1:0.1").name == "question[2:4]@1:0.1"
-    assert parse_rule("question@1:0.1").question_layers(30) == range(15, 30)
+    assert parse_rule("question@1:0.1").question_layers(30) == range(8, 30)
     for text, needle in (
         ("deviation", "is not kind[lo:hi]@layer:ratio"),
         ("deviation@1", "is not kind[lo:hi]@layer:ratio"),

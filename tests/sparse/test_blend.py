@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucm.config import UcmConfigError, parse_config
+from ucm.config import UcmConfigError, default_question_layers, parse_config
 from ucm.sparse.blend import blend_end, chunk_spans
 
 
@@ -32,6 +32,13 @@ def test_blend_section_defaults() -> None:
     upstream = {"chunk_end_token_id": 5, "compute_meta": {"model.layers.3.self_attn.attn": {"ratio": 1}}}
     cfg = parse_config({"ucm_sparse_config": {"Blend": upstream}}).ucm_sparse_config
     assert cfg is not None and cfg.Blend is not None and (cfg.Blend.check_layer, cfg.Blend.ratio) == (3, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "layers"), [(30, (8, 30)), (32, (8, 32)), (4, (1, 4)), (2, (1, 2)), (1, (0, 1))]
+)
+def test_question_layers_default_skips_the_first_quarter(num_layers: int, layers: tuple[int, int]) -> None:
+    assert default_question_layers(num_layers) == layers
 
 
 @pytest.mark.parametrize(

@@ -153,7 +153,7 @@ def test_chunks_after_the_first_chunk_share_the_prefix_keys(runs) -> None:
 def test_question_selection_recomputes_what_the_question_attends_to(runs) -> None:
     """``selection: question``: the engine's probe (the question over the stored KV through vLLM's layers) chooses
     the positions the pure-torch reference chooses (``ucm.quality.blend_reference``, rule ``question@1:0.3``, the
-    later half of the layers), not the KV deviation's."""
+    default layers), not the KV deviation's."""
     import re
 
     from transformers import AutoTokenizer

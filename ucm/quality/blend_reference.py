@@ -24,9 +24,10 @@ Rules (:class:`Rule`):
 - ``question``: before the pass, the prompt's tokens after the context (the question) go through every layer over
   the naive KV (the exact prefix, the stored KV, zeros where none is stored); the ``ratio`` of the stored tokens
   that receive the most attention from them, summed over the heads, the question's tokens and the layers
-  ``score_layers`` (default: the later half), are recomputed from ``layer`` on (``ucm.kernels.blend.
-  question_attention``). It follows the observation that the attention of a prompt's last tokens predicts which
-  earlier tokens matter (SnapKV, Li et al., NeurIPS 2024, arXiv 2404.14469), here used to choose what to recompute.
+  ``score_layers`` (default: every layer after the first quarter, ``ucm.config.default_question_layers``), are
+  recomputed from ``layer`` on (``ucm.kernels.blend.question_attention``). It follows the observation that the
+  attention of a prompt's last tokens predicts which earlier tokens matter (SnapKV, Li et al., NeurIPS 2024, arXiv
+  2404.14469), here used to choose what to recompute.
 
 Ratios count the stored tokens of the run, rounded up as the engine does (``ucm.kernels.blend.recompute_count``).
 """
@@ -40,7 +41,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from ucm.config import ChunkContext
+from ucm.config import ChunkContext, default_question_layers
 from ucm.kernels.blend import kv_deviation, question_attention, recompute_count, rope_delta_
 
 RuleKind = Literal["deviation", "progressive", "oracle", "question"]
@@ -55,7 +56,8 @@ class Rule:
         kind: ``deviation``, ``progressive``, ``oracle`` or ``question`` (module docstring).
         stages: (decoder layer index, ratio) pairs, layers increasing, ratios in [0, 1] not increasing; one pair
             except for ``progressive``.
-        score_layers: ``question`` only: the layers ``[lo, hi)`` whose attention is summed (None: the later half).
+        score_layers: ``question`` only: the layers ``[lo, hi)`` whose attention is summed (None:
+            ``ucm.config.default_question_layers``).
     """
 
     kind: RuleKind
@@ -92,7 +94,7 @@ class Rule:
 
     def question_layers(self, num_layers: int) -> range:
         """The layers whose attention the ``question`` rule sums, in a model of ``num_layers`` layers."""
-        lo, hi = self.score_layers or (num_layers // 2, num_layers)
+        lo, hi = self.score_layers or default_question_layers(num_layers)
         return range(lo, min(hi, num_layers))
 
 

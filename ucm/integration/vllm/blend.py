@@ -68,7 +68,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
-from ucm.config import BlendConfig, UcmConfigError
+from ucm.config import BlendConfig, UcmConfigError, default_question_layers
 from ucm.hashing import block_keys, rank_keys
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlendTransfer
@@ -428,7 +428,7 @@ class Blender:
             )
         self._rope = _Rope(int(rotary.rotary_dim), float(rotary.base), bool(rotary.is_neox_style))
         num_layers = len(self._layers)
-        lo, hi = self._cfg.question_layers or (num_layers // 2, num_layers)
+        lo, hi = self._cfg.question_layers or default_question_layers(num_layers)
         if hi > num_layers:
             raise UcmConfigError(
                 f"ucm_sparse_config.Blend.question_layers {self._cfg.question_layers} ends past the model's "
