@@ -194,11 +194,16 @@ def listening_ports(pids: list[int]) -> set[int]:
     return ports
 
 
-def placement(master: MooncakeMaster, store: Path, instances: list[Instance]) -> dict[str, int]:
+def placement(
+    master: MooncakeMaster, store: Path, instances: list[Instance], timeout_s: float = 30.0
+) -> dict[str, int]:
     """In whose segment the pool holds the blocks of ``store``: the objects' names from the block files' headers
     (``ucm/<namespace tag>/<key>``, as the Mooncake stage names them), their replicas' transport endpoints asked of
     the master by a client of this process (it mounts no segment), each endpoint's port matched to the instance
-    whose processes listen on it. Counts by instance name, ``other`` and ``not_in_pool``."""
+    whose processes listen on it. Counts by instance name, ``other`` and ``not_in_pool``. The master counts a key
+    from the start of its put, and an object whose put is still in flight has no replica yet (the master answers
+    ``REPLICA_IS_NOT_READY``): the question is asked again every 0.2 s, for up to ``timeout_s`` seconds, until
+    every object has an in-memory replica."""
     names = []
     for path in sorted(store.rglob("*.ucmb")):
         if not path.name.startswith("."):
@@ -207,8 +212,14 @@ def placement(master: MooncakeMaster, store: Path, instances: list[Instance]) ->
             names.append(f"ucm/{ns_tag:08x}/{key.hex()}")
     owners = {port: inst.name for inst in instances for port in listening_ports(inst.server.pids())}
     client = connect(master.address, global_segment_size=0, local_buffer_size=0)
+    deadline = time.monotonic() + timeout_s
     try:
-        replicas = client.batch_get_replica_desc(names) if names else {}
+        while True:
+            replicas = client.batch_get_replica_desc(names) if names else {}
+            ready = all(any(r.is_memory_replica() for r in replicas.get(name, [])) for name in names)
+            if ready or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         client.close()
     counts: dict[str, int] = {}
