@@ -15,8 +15,9 @@ One engine per transfer mode (``Posix`` only, so every hit is read through the m
 ``tests/store/test_stalled_mount.py`` checks the Posix stage's bounded lookup and the store tasks' timeouts on the
 same mount without an engine.
 
-The mount is always unmounted (the daemon resumed first), whatever the test's outcome. Skipped only where the
-kernel has no FUSE (``/dev/fuse`` absent).
+The mount is always unmounted (the daemon resumed first), whatever the test's outcome, and a watchdog resumes the
+daemon after ``WATCHDOG_S`` (a failure), so an engine blocked on the mount cannot hang the suite. Skipped only where
+the kernel has no FUSE (``/dev/fuse`` absent).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ READ_DELAY_MS = 100  # per read request; a block file takes a few, in parallel a
 MARGIN_MS = 8000  # a request past its deadline: the recompute of one short prompt, on a loaded 2-core machine
 ATTR_CACHE_S = 600  # longer than the test: a name the kernel has seen is stat-ed without the daemon
 ENGINE_TIMEOUT_S = 600
+# The daemon is resumed by then whatever the engine does (the engine's own commands stop and resume it): an engine
+# blocked on the mount fails the test instead of hanging the suite (a killed process still waits for a request the
+# stopped daemon had read).
+WATCHDOG_S = 300
 LOAD_MS_RE = re.compile(r"(?:loaded \d+ blocks into .*: store|layerwise load of \d+ blocks .*?:) ([\d.]+) ms")
 
 
@@ -60,7 +65,10 @@ def stalled(request, tiny_model, fault_prompts, tmp_path):
     source, mountpoint = tmp_path / "source", tmp_path / "mnt"
     source.mkdir()
     p0, p1, p2 = fault_prompts[0], fault_prompts[1], fault_prompts[2]
-    with fusefs.mount(source, mountpoint, read_delay_ms=READ_DELAY_MS, attr_timeout_s=ATTR_CACHE_S) as daemon:
+    with (
+        fusefs.mount(source, mountpoint, read_delay_ms=READ_DELAY_MS, attr_timeout_s=ATTR_CACHE_S) as daemon,
+        fusefs.resumed_after(daemon.pid, WATCHDOG_S) as watchdog_fired,
+    ):
         requests = [
             p0,
             p1,
@@ -77,6 +85,8 @@ def stalled(request, tiny_model, fault_prompts, tmp_path):
             log_path=tmp_path / "engine.log",  # kept by pytest: what the engine said, when a check fails
         )
     assert not os.path.ismount(mountpoint)
+    if watchdog_fired.is_set():
+        pytest.fail(f"the FUSE daemon was still stopped after {WATCHDOG_S} s: the engine hung on it:\n{stderr[-6000:]}")
     return results, stderr
 
 

@@ -152,22 +152,23 @@ def run_engine(
     imported vLLM already (:mod:`ucm.testing.forkserver`).
 
     Raises:
-        RuntimeError: the child failed (its stderr tail is in the message).
+        RuntimeError: the child failed, ran past ``timeout_s`` seconds (it is killed), or did not end within
+            :data:`ucm.testing.forkserver.KILL_WAIT_S` s of being killed (stuck in the kernel); the message holds
+            its stderr tail, and ``log_path`` what it wrote.
     """
     child_env = engine_env(env)
     child_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("engine_core_process") else "0"
     server = forkserver.server_for(child_env) if forkserver.enabled() and not wrapper else None
-    if server is not None:
-        proc = server.run(spec, child_env, timeout_s)
-    else:
-        proc = subprocess.run(
-            [*wrapper, sys.executable, "-m", "ucm.testing.engine"],
-            input=json.dumps(spec),
-            capture_output=True,
-            text=True,
-            env=child_env,
-            timeout=timeout_s,
-        )
+    try:
+        if server is not None:
+            proc = server.run(spec, child_env, timeout_s)
+        else:
+            proc = _run_plain([*wrapper, sys.executable, "-m", "ucm.testing.engine"], spec, child_env, timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        if log_path is not None:
+            log_path.write_text(stderr)
+        raise RuntimeError(f"engine process ran past {timeout_s} s and was killed:\n{stderr[-6000:]}") from None
     if log_path is not None:
         log_path.write_text(proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT_PREFIX)]
@@ -184,6 +185,36 @@ def run_engine(
         for r, (_, total, hbm, ext) in zip(results, hits, strict=True):
             r.total_blocks, r.hit_hbm, r.hit_external = int(total), int(hbm), int(ext)
     return results, proc.stderr
+
+
+def _run_plain(
+    cmd: list[str], spec: dict[str, Any], env: dict[str, str], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, input=spec as JSON, capture_output=True, text=True, timeout=timeout_s)``, except that a
+    child killed for its timeout is waited for at most :data:`ucm.testing.forkserver.KILL_WAIT_S` s, not without
+    bound (a child stuck in the kernel, on a hung mount, does not end on SIGKILL).
+
+    Raises:
+        subprocess.TimeoutExpired: the child ran past ``timeout_s`` (killed; ``stderr`` holds what it wrote).
+        RuntimeError: the killed child did not end within the wait.
+    """
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        stdout, stderr = proc.communicate(json.dumps(spec), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            stdout, stderr = proc.communicate(timeout=forkserver.KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"engine process {proc.pid} ran past {timeout_s} s and did not end within {forkserver.KILL_WAIT_S} s "
+                "of SIGKILL: a thread of it is in an uninterruptible wait in the kernel (a hung FUSE or NFS mount "
+                "answers nothing)"
+            ) from None
+        raise subprocess.TimeoutExpired(cmd, timeout_s, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _child(spec: dict[str, Any]) -> list[dict[str, Any]]:

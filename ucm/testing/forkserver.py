@@ -66,6 +66,10 @@ LAZY_KEYS = frozenset(
 )
 MAX_SERVERS = 3
 READY_TIMEOUT_S = 300.0  # a server not ready by then (its imports hung) is killed; its runs get plain processes
+# A child killed (SIGKILL) for running past its timeout and not reaped by then is stuck in the kernel: the run fails
+# instead of waiting for it without bound.
+KILL_WAIT_S = 60.0
+TAIL_BYTES = 8000  # of a killed child's stdout and stderr, in the errors raised
 _HEADER = struct.Struct(">I")
 
 
@@ -96,6 +100,13 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
         return None, fds
     body = _recv_exact(sock, _HEADER.unpack(head)[0], fds)
     return (json.loads(body) if body is not None else None), fds
+
+
+def _tail(f: Any) -> str:
+    """The last :data:`TAIL_BYTES` written to the temporary file ``f`` (a child's stdout or stderr)."""
+    f.seek(0, os.SEEK_END)
+    f.seek(max(0, f.tell() - TAIL_BYTES))
+    return f.read().decode(errors="replace")
 
 
 def import_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -135,8 +146,9 @@ class ForkServer:
         Runs from several threads go on at once (each has its own socket pair for its child's pid and exit code).
 
         Raises:
-            subprocess.TimeoutExpired: the child ran past ``timeout_s`` (it is killed first).
-            RuntimeError: the server went away.
+            subprocess.TimeoutExpired: the child ran past ``timeout_s`` (it is killed first; ``stdout`` and
+                ``stderr`` hold the tails of what it wrote).
+            RuntimeError: the server went away, or the killed child did not end within :data:`KILL_WAIT_S` s.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -155,9 +167,18 @@ class ForkServer:
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(started["pid"], signal.SIGKILL)
-                ours.settimeout(None)
-                _recv(ours)  # the server reaped it
-                raise subprocess.TimeoutExpired("ucm.testing.engine (forked)", timeout_s) from None
+                ours.settimeout(KILL_WAIT_S)
+                try:
+                    _recv(ours)  # the server reaped it
+                except TimeoutError:
+                    raise RuntimeError(
+                        f"engine child {started['pid']} ran past {timeout_s} s and did not end within {KILL_WAIT_S} s "
+                        "of SIGKILL: a thread of it is in an uninterruptible wait in the kernel (a hung FUSE or NFS "
+                        f"mount answers nothing); its stderr so far:\n{_tail(err)}"
+                    ) from None
+                raise subprocess.TimeoutExpired(
+                    "ucm.testing.engine (forked)", timeout_s, output=_tail(out), stderr=_tail(err)
+                ) from None
             if ended is None:
                 raise RuntimeError("the engine fork server exited")
             out.seek(0)

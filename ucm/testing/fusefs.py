@@ -16,7 +16,7 @@ unmounted (``fusermount3 -u MOUNTPOINT``) or sent SIGTERM.
   stopped daemon it still succeeds while ``open`` blocks.
 
 Uses ``mfusepy`` (ctypes bindings of libfuse 2 or 3; Debian's ``fuse3`` package provides libfuse3 and
-``fusermount3``). Helpers for tests: :func:`mount`, :func:`stopped`.
+``fusermount3``). Helpers for tests: :func:`mount`, :func:`stopped`, :func:`resumed_after`.
 """
 
 from __future__ import annotations
@@ -246,9 +246,35 @@ def _wait_all_threads_stopped(pid: int, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
+def resumed_after(pid: int, after_s: float) -> Iterator[threading.Event]:
+    """Send SIGCONT to the daemon ``pid`` after ``after_s`` seconds unless the ``with`` block has ended by then: a
+    daemon stopped from elsewhere (an engine's command, :func:`stopped`) cannot stay stopped, and a process blocked on
+    the mount cannot wait, without bound. A request the daemon had read before it stopped is waited for even by a
+    killed process, so without this a test blocked on the mount would hang the whole run.
+
+    Yields:
+        An event set when the watchdog fired (the test should then fail: something waited on the mount too long).
+    """
+    fired = threading.Event()
+
+    def resume() -> None:
+        fired.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+    watchdog = threading.Timer(after_s, resume)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield fired
+    finally:
+        watchdog.cancel()
+
+
+@contextlib.contextmanager
 def stopped(pid: int, max_s: float = 60.0) -> Iterator[None]:
     """Stop the daemon ``pid`` (SIGSTOP: the mount hangs) for the ``with`` block; resume it (SIGCONT) on exit, or
-    after ``max_s`` seconds from a watchdog thread, so that a test blocked on the mount cannot hang forever.
+    after ``max_s`` seconds (:func:`resumed_after`), so that a test blocked on the mount cannot hang forever.
 
     The block is entered only once every thread of the daemon is stopped. ``kill`` returns as soon as the signal is
     queued, and the kernel wakes one thread, which then stops the others: on a busy machine the others could still
@@ -257,17 +283,14 @@ def stopped(pid: int, max_s: float = 60.0) -> Iterator[None]:
     Raises:
         TimeoutError: some thread of ``pid`` was not stopped within 10 s (the daemon is resumed first).
     """
-    watchdog = threading.Timer(max_s, os.kill, (pid, signal.SIGCONT))
-    watchdog.daemon = True
-    os.kill(pid, signal.SIGSTOP)
-    watchdog.start()
-    try:
-        _wait_all_threads_stopped(pid, timeout_s=10.0)
-        yield
-    finally:
-        watchdog.cancel()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+    with resumed_after(pid, max_s):
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _wait_all_threads_stopped(pid, timeout_s=10.0)
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def main(argv: list[str] | None = None) -> int:
