@@ -165,7 +165,7 @@ def run_engine(
         else:
             proc = _run_plain([*wrapper, sys.executable, "-m", "ucm.testing.engine"], spec, child_env, timeout_s)
     except subprocess.TimeoutExpired as exc:
-        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        stderr = exc.stderr if isinstance(exc.stderr, str) else ""  # both run paths give text
         if log_path is not None:
             log_path.write_text(stderr)
         raise RuntimeError(f"engine process ran past {timeout_s} s and was killed:\n{stderr[-6000:]}") from None
@@ -208,11 +208,7 @@ def _run_plain(
         try:
             stdout, stderr = proc.communicate(timeout=forkserver.KILL_WAIT_S)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(
-                f"engine process {proc.pid} ran past {timeout_s} s and did not end within {forkserver.KILL_WAIT_S} s "
-                "of SIGKILL: a thread of it is in an uninterruptible wait in the kernel (a hung FUSE or NFS mount "
-                "answers nothing)"
-            ) from None
+            raise forkserver.stuck_error(f"engine process {proc.pid}", timeout_s, "") from None
         raise subprocess.TimeoutExpired(cmd, timeout_s, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 

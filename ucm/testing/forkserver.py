@@ -109,6 +109,15 @@ def _tail(f: Any) -> str:
     return f.read().decode(errors="replace")
 
 
+def stuck_error(what: str, timeout_s: float, stderr: str) -> RuntimeError:
+    """The error of a run whose child ``what`` (e.g. ``"engine child 123"``) was killed past ``timeout_s`` s and did
+    not end within :data:`KILL_WAIT_S` s (``stderr``: what it wrote, or ``""``)."""
+    return RuntimeError(
+        f"{what} ran past {timeout_s} s and did not end within {KILL_WAIT_S} s of SIGKILL: a thread of it is in an "
+        f"uninterruptible wait in the kernel (a hung FUSE or NFS mount answers nothing); its stderr so far:\n{stderr}"
+    )
+
+
 def import_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """The part of ``env`` that import-time state may depend on: everything but :data:`LAZY_KEYS`."""
     return tuple(sorted((k, v) for k, v in env.items() if k not in LAZY_KEYS))
@@ -171,11 +180,7 @@ class ForkServer:
                 try:
                     _recv(ours)  # the server reaped it
                 except TimeoutError:
-                    raise RuntimeError(
-                        f"engine child {started['pid']} ran past {timeout_s} s and did not end within {KILL_WAIT_S} s "
-                        "of SIGKILL: a thread of it is in an uninterruptible wait in the kernel (a hung FUSE or NFS "
-                        f"mount answers nothing); its stderr so far:\n{_tail(err)}"
-                    ) from None
+                    raise stuck_error(f"engine child {started['pid']}", timeout_s, _tail(err)) from None
                 raise subprocess.TimeoutExpired(
                     "ucm.testing.engine (forked)", timeout_s, output=_tail(out), stderr=_tail(err)
                 ) from None
