@@ -143,13 +143,14 @@ def kill_group(pgid: int) -> bool:
     processes had mapped or open (vLLM's shared-memory buffers; no other process maps them).
 
     Returns:
-        True if any process of the group was alive (and is now killed), False if none was.
+        True if any process of the group was alive (and is now killed), False if none was. A zombie is not alive:
+        a process killed and not yet reaped by its parent (e.g. vLLM's engine core after its API server was killed,
+        left to an init that reaps late) is stopped, though ``killpg(pgid, 0)`` still finds it.
     """
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
+    pids = _group_pids(pgid)
+    if not pids:
         return False
-    leaked = _shm_files_of(_group_pids(pgid))
+    leaked = _shm_files_of(pids)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + 10
