@@ -6,14 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import time
-from pathlib import Path
 
-from ucm.testing.server import kill_group
-
-
-def _state(pid: int) -> str:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2 :].split()[0]
+from ucm.testing.server import _group_pids, kill_group
 
 
 def test_a_live_group_is_killed_and_reported() -> None:
@@ -30,7 +24,7 @@ def test_a_group_of_one_zombie_is_not_left_running() -> None:
     proc = subprocess.Popen(["true"], start_new_session=True)  # exits at once; not reaped until wait() below
     try:
         deadline = time.monotonic() + 10
-        while _state(proc.pid) != "Z":
+        while _group_pids(proc.pid):  # live until it has exited; then a zombie, which _group_pids leaves out
             assert time.monotonic() < deadline, "the child did not exit"
             time.sleep(0.05)
         assert kill_group(proc.pid) is False  # killpg(pgid, 0) still succeeds here: the zombie is in the group
