@@ -20,10 +20,14 @@ document has the same tokens wherever it stands. With ``--chunk-context first_ch
 same head, a ChatML system turn followed by the chunk-end token (:data:`HEAD`), before the documents.
 
 Engines: one process per mode (``ucm.testing.engine.run_engine``, engine core in that process), each on a fresh
-store directory of UCM's default ``Cache|Posix`` pipeline; requests one at a time, greedy, ``--max-tokens`` tokens
-each; vLLM's prefix cache on but reset before every request, so it never serves one; block size 128 (the CPU
-build's default). Every engine runs the same requests: a short warm-up prompt without a chunk-end token (ignored),
-the in-order prompt (its TTFT is ``ttft_first_ms``), then the measured prompts.
+store directory of UCM's default ``Cache|Posix`` pipeline; greedy, ``--max-tokens`` tokens per request; vLLM's
+prefix cache on but reset before every request, so it never serves one; block size 128 (the CPU build's default).
+Every engine runs the same requests: a short warm-up prompt without a chunk-end token (ignored), the in-order prompt
+(its TTFT is ``ttft_first_ms``), then the measured prompts. The engines run at once but take turns
+(``benchmarks.common.TakeTurns``): one request at a time over all engines, round-robin by request (full prefill's
+prompt ``i``, prefix-only's, each blend's, then prompt ``i + 1``), 0.2 s apart; so the TTFTs whose ratios are taken
+are measured moments apart, and a change of the machine's speed during the run (these machines are shared) moves
+both sides of a ratio alike.
 
 - ``full``: full prefill. UCMConnector as ``kv_consumer`` on an empty store, without Blend: it looks up, misses and
   never stores, so the connector's per-request costs are paid as in the other modes (as in ``rerope.py``).
@@ -61,6 +65,7 @@ on it). The last line printed is a JSON object with every figure.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import math
 import random
@@ -79,7 +84,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.blend_quality import layer_range  # noqa: E402
-from benchmarks.common import emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
+from benchmarks.common import TakeTurns, emit_summary, load_avg, machine_info, utc_now, versions  # noqa: E402
 from ucm.config import BLEND_LAYER_RE, BlendSelection, ChunkContext  # noqa: E402
 from ucm.quality.blend import question_layers_error  # noqa: E402
 from ucm.testing.engine import (  # noqa: E402
@@ -239,11 +244,15 @@ def run_mode(
     kv_role: str,
     tmp: Path,
     keep_logs: Path | None,
+    before_cmds: list[str] | None = None,
 ) -> ModeRun:
-    """Run one mode's engine on ``base`` (model, requests) with UCM ``config``; parse its log."""
+    """Run one mode's engine on ``base`` (model, requests) with UCM ``config``, each request ``i`` after the shell
+    command ``before_cmds[i]`` if given; parse its log."""
     config_path = tmp / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     spec = {**base, "connector": ucm_transfer_config({"UCM_CONFIG_FILE": str(config_path)}, kv_role=kv_role)}
+    if before_cmds is not None:
+        spec["requests"] = [{**req, "before_cmd": cmd} for req, cmd in zip(spec["requests"], before_cmds, strict=True)]
     log = tmp / f"{name}.log"
     results, stderr = run_engine(spec, timeout_s=3600, log_path=log)
     if keep_logs is not None:
@@ -408,25 +417,32 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         modes: list[tuple[str, str, float | None]] = [("full", "kv_consumer", None), ("prefix_only", "kv_both", None)]
         modes += [(f"blend_{r:g}", "kv_both", r) for r in args.ratio_list]
-        for name, role, ratio in modes:
+        turns_dir = tmp / "turns"
+        turns_dir.mkdir()
+        turns = TakeTurns(turns_dir, len(modes), len(base["requests"]))
+
+        def engine(index: int, name: str, role: str, ratio: float | None) -> ModeRun:
             store = tmp / f"store-{name}"
             store.mkdir()
-            runs[name] = run_mode(
-                name,
-                base,
-                ucm_config(
-                    store,
-                    chunk_end_id,
-                    ratio,
-                    args.check_layer,
-                    args.chunk_context,
-                    args.selection,
-                    args.question_layers,
-                ),
-                role,
-                tmp,
-                keep_logs,
+            config = ucm_config(
+                store, chunk_end_id, ratio, args.check_layer, args.chunk_context, args.selection, args.question_layers
             )
+            before = [turns.before_cmd(index, i) for i in range(len(base["requests"]))]
+            try:
+                return run_mode(name, base, config, role, tmp, keep_logs, before)
+            except BaseException:
+                turns.failed = True
+                raise
+            finally:
+                turns.exited[index] = True
+
+        # Every engine at once, serving its requests in turns (TakeTurns): each measured prompt runs in every mode
+        # moments apart, so the ratios to full prefill pair requests run under the same machine conditions.
+        with concurrent.futures.ThreadPoolExecutor(len(modes) + 1) as pool:
+            granting = pool.submit(turns.run)
+            futures = {name: pool.submit(engine, k, name, role, ratio) for k, (name, role, ratio) in enumerate(modes)}
+            runs = {name: f.result() for name, f in futures.items()}
+            granting.result()
     full = runs["full"]
     blend = {f"{r:g}": mode_summary(runs[f"blend_{r:g}"], full) for r in args.ratio_list}
     target = blend.get(f"{TARGET_RATIO:g}")

@@ -164,3 +164,57 @@ def emit_summary(
         Path(out).write_text((line if out_indent is None else json.dumps(summary, indent=out_indent)) + "\n")
     print(line)
     return 1 if failed else 0
+
+
+class TakeTurns:
+    """Engines in separate processes that serve their requests in turns, so that the requests compared across
+    engines run moments apart and never at once: a paired measurement on a noisy machine (a drift of the machine's
+    speed hits both sides of a pair alike).
+
+    The order is round-robin by request: engine 0's request 0, engine 1's request 0, ..., engine 0's request 1, ...
+    Each request's ``before_cmd`` (``ucm.testing.engine`` runs it before the request) writes a ready file, then
+    waits for its go file (bash builtins only: a timed ``read`` on an idle FIFO between checks, so a waiting engine
+    takes no CPU). :meth:`run` (a thread of the caller) writes a go file once the previous request in the order has
+    finished (its engine is ready for its next request, or has exited) and ``settle_s`` seconds have passed
+    (background work of that request, such as UCM's asynchronous dumps, ends before the next request starts).
+
+    Args:
+        root: an empty directory for the files (its path holds no quote: the commands quote it).
+        engines / requests: the number of engines and of requests each serves (the same for all).
+        settle_s: seconds between one request's end and the next one's start.
+    """
+
+    def __init__(self, root: Path, engines: int, requests: int, settle_s: float = 0.2) -> None:
+        self._root, self._engines, self._requests, self._settle_s = root, engines, requests, settle_s
+        self.exited = [False] * engines  # set by the caller when engine e's process has ended
+        self.failed = False  # set by the caller when an engine failed: every turn is granted at once
+        os.mkfifo(root / "idle")
+
+    def before_cmd(self, engine: int, request: int) -> str:
+        """The shell command engine ``engine`` runs before its request ``request``: say it is ready, then wait for
+        the turn."""
+        ready, go, idle = self._root / f"ready-{engine}-{request}", self._go(engine, request), self._root / "idle"
+        script = f'touch "{ready}"; exec 3<>"{idle}"; until [ -e "{go}" ]; do read -r -t 0.01 -u 3 _ || :; done'
+        return f"bash -c '{script}'"
+
+    def _go(self, engine: int, request: int) -> Path:
+        return self._root / f"go-{engine}-{request}"
+
+    def _finished(self, engine: int, request: int) -> bool:
+        if request + 1 < self._requests:
+            return (self._root / f"ready-{engine}-{request + 1}").exists()
+        return self.exited[engine]
+
+    def run(self, poll_s: float = 0.002) -> None:
+        """Grant the turns in order; returns once the last one is granted (run it in a thread)."""
+        import time
+
+        previous: tuple[int, int] | None = None
+        for i in range(self._requests):
+            for e in range(self._engines):
+                while previous is not None and not self._finished(*previous) and not self.failed:
+                    time.sleep(poll_s)
+                if not self.failed:
+                    time.sleep(self._settle_s)
+                self._go(e, i).touch()
+                previous = (e, i)

@@ -33,3 +33,30 @@ def ucm_extra_config(store_dir: Path | str, pipeline: str = "Cache|Posix") -> di
             }
         ]
     }
+
+
+def cpu_attention(md, query, key_cache, value_cache, scale: float):
+    """vLLM's CPU attention kernel (``cpu_attention_with_kv_cache``) over the paged ``key_cache`` / ``value_cache``
+    for ``query`` (``[num_tokens, num_heads, head_dim]``) as ``md`` (a ``CPUAttentionMetadata``) lays its requests
+    out; returns the output, shaped like ``query``."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=md.query_start_loc,
+        seq_lens=md.seq_lens,
+        scale=scale,
+        causal=md.causal,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=md.block_table,
+        softcap=0,
+        scheduler_metadata=md.scheduler_metadata,
+        s_aux=None,
+    )
+    return out

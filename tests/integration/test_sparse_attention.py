@@ -19,6 +19,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
 
+from tests.helpers import cpu_attention
 from ucm.config import GSAConfig, UcmConfigError
 from ucm.integration.vllm.sparse_backend import layout_of_isa, sparse_cpu_metadata
 from ucm.kernels.layouts import KVLayout
@@ -99,24 +100,7 @@ def _scheduler(seq_lens: torch.Tensor, qsl: torch.Tensor, dtype: torch.dtype, is
 
 
 def _attend(md: CPUAttentionMetadata, query, key_cache, value_cache) -> torch.Tensor:
-    out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        output=out,
-        query_start_loc=md.query_start_loc,
-        seq_lens=md.seq_lens,
-        scale=SCALE,
-        causal=md.causal,
-        alibi_slopes=None,
-        sliding_window=-1,
-        block_table=md.block_table,
-        softcap=0,
-        scheduler_metadata=md.scheduler_metadata,
-        s_aux=None,
-    )
-    return out
+    return cpu_attention(md, query, key_cache, value_cache, SCALE)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, n: int) -> torch.Tensor:

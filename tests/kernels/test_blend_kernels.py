@@ -25,6 +25,7 @@ from ucm.kernels.blend import (
     select_recompute,
     select_recompute_reference,
 )
+from ucm.kernels.blend.torch import CHUNK_TOKENS
 from ucm.kernels.blend.triton import (
     deviation_kernel_meta,
     kv_deviation_kernel,
@@ -50,14 +51,22 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-5), torch.float1
 DEV_RTOL = 1e-5  # float32 sums of up to 2 * 8 * 128 non-negative terms, reordered
 
 
-def make_keys(shape: tuple[int, int, int], dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """randn keys in ``dtype`` and int64 deltas: every fourth 0, then +1, -1, and values up to +-100000 (angles of
-    1e5 radians at the highest frequency)."""
+def make_keys(
+    shape: tuple[int, int, int], dtype: torch.dtype, seed: int = 0, moves: str = "mixed"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """randn keys in ``dtype`` and int64 deltas. ``moves``: ``"mixed"``, every fourth delta 0, then +1, -1, and
+    values up to +-100000 (angles of 1e5 radians at the highest frequency); ``"all"``, such values, none 0 (the torch
+    path rotates in place); ``"one"``, one delta for every token (a stored chunk moved: one cos/sin row)."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(shape, generator=g).to(dtype)
     delta = torch.randint(-100_000, 100_000, (shape[0],), generator=g)
-    delta[::4] = 0
-    delta[1:3] = torch.tensor([1, -1])
+    if moves == "mixed":
+        delta[::4] = 0
+        delta[1:3] = torch.tensor([1, -1])
+    elif moves == "all":
+        delta[delta == 0] = 7
+    else:
+        delta[:] = 1037
     return keys, delta
 
 
@@ -94,13 +103,28 @@ def test_rope_delta_matches_reference(
     check_rotated(keys, before, delta, rotary_dim, neox)
 
 
-@needs_interpreter
+@pytest.mark.parametrize("moves", ["all", "one"])
 @pytest.mark.parametrize(("share", "neox"), ROPES, ids=ROPE_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_rope_delta_triton_is_torch_bit_for_bit(dtype: torch.dtype, share: int, neox: bool) -> None:
+def test_rope_delta_moving_every_token_matches_reference(
+    dtype: torch.dtype, share: int, neox: bool, moves: str
+) -> None:
+    """Every token moved (the torch path rotates the keys where they lie), by one delta or by many."""
+    keys, delta = make_keys((2 * CHUNK_TOKENS + 5, 2, 64), dtype, moves=moves)  # over several chunks of tokens
+    before = keys.clone()
+    rope_delta_(keys, delta, rotary_dim=64 // share, base=BASE, neox=neox, impl="cpu")
+    check_rotated(keys, before, delta, 64 // share, neox)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("moves", ["mixed", "all", "one"])
+@pytest.mark.parametrize(("share", "neox"), ROPES, ids=ROPE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rope_delta_triton_is_torch_bit_for_bit(dtype: torch.dtype, share: int, neox: bool, moves: str) -> None:
     """Same host cos/sin tables, same float32 operations (no FMA), round to nearest even: the interpreted kernel
-    writes the torch path's bits, on head-major (non-contiguous) keys too."""
-    keys, delta = make_keys((130, 8, 128), dtype, seed=1)
+    writes the torch path's bits, on head-major (non-contiguous) keys too, whichever path the torch code takes
+    (some tokens moved: gathered and scattered; every token: rotated in place, from one cos/sin row or many)."""
+    keys, delta = make_keys((130, 8, 128), dtype, seed=1, moves=moves)
     rotary_dim = 128 // share
     want = rope_delta_(keys.clone(), delta, rotary_dim=rotary_dim, neox=neox, impl="torch")
     got = rope_delta_(keys.clone(), delta, rotary_dim=rotary_dim, neox=neox, impl="triton")

@@ -32,7 +32,8 @@ The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
    CPU attention kernel for them (:class:`BlendPass`). Up to the layer named in ``compute_meta`` every run token is
    computed, as one prefill over the prefix; at that layer the tokens whose recomputed K and V deviate most from
    the stored ones (``ratio`` of the tokens with stored KV, ``ucm.kernels.blend``), plus the tokens without stored
-   KV, are chosen, and only they go through the later layers, each as a one-token row at its position; the other
+   KV, are chosen, and only they go through the later layers, as queries at their positions (each run of
+   consecutive chosen tokens one request of vLLM's kernel, :func:`row_requests`); the other
    tokens keep their stored KV there. The paged cache then holds the run's KV. With ``selection: question`` the
    ``ratio`` is taken by another score, computed before the pass (:class:`QuestionProbe`): the prompt's tokens after
    the run (the question) go through the layers over the prompt's naive KV (prefix, stored KV, zeros), and each run
@@ -150,6 +151,28 @@ def cpu_attention_metadata(
     )
 
 
+def row_requests(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows at ``positions`` of one sequence, each attending causally to the tokens up to its own position, as
+    vLLM attention requests (whose queries are the last tokens of their sequence): one request per run of
+    consecutive positions, its queries the run, its sequence ending at the run's last position. A run of ``q`` rows
+    is one request instead of ``q`` one-token ones (vLLM's CPU kernel reads a request's KV once per tile of its
+    queries, not once per query).
+
+    Args:
+        positions: int64 ``[n]``, strictly increasing.
+
+    Returns:
+        ``query_start_loc`` int32 ``[R + 1]`` and ``seq_lens`` int32 ``[R]`` (:func:`cpu_attention_metadata`'s),
+        ``R`` the number of runs.
+    """
+    n = positions.shape[0]
+    last = torch.ones(n, dtype=torch.bool)  # the last row of each run
+    last[:-1] = positions[1:] != positions[:-1] + 1
+    ends = last.nonzero().flatten() + 1
+    query_start_loc = torch.cat((torch.zeros(1, dtype=torch.int64), ends)).to(torch.int32)
+    return query_start_loc, (positions[ends - 1] + 1).to(torch.int32)
+
+
 class BlendAttention:
     """The attention metadata of CacheBlend's own calls of the model's decoder layers (:class:`BlendPass`,
     :class:`QuestionProbe`): UCM's attention wrapper (``ucm.integration.vllm.sparse_backend``) hands each attention
@@ -178,8 +201,8 @@ class BlendPass(BlendAttention):
     The run's tokens have slots in a paged KV (vLLM's, or a scratch one for a chunk computed on its own) that holds,
     before the pass, the prefix's KV and, for the layers after the check layer, the run's stored KV. Each layer
     writes its computed rows' K and V there and runs vLLM's own CPU attention kernel over it: all rows as one prefill
-    of the run (up to the check layer), then the chosen rows as decode-like rows of one token each, at their
-    positions.
+    of the run (up to the check layer), then the chosen rows at their positions, each run of consecutive rows one
+    request (:func:`row_requests`).
 
     Attributes:
         layer_of: attention layer name -> decoder layer index.
@@ -257,17 +280,10 @@ class BlendPass(BlendAttention):
         CPUAttentionBackendImpl.forward(impl, layer, query, k_new, v_new, cache, self._metadata, output)
 
     def _rows_metadata(self, impl: CPUAttentionBackendImpl, dtype: torch.dtype, isa: str) -> CPUAttentionMetadata:
-        """All run rows: one request whose last ``T`` tokens are the queries. Some rows: one request per row, its
-        query the last token of a sequence ending at the row's position (same blocks)."""
-        n = self.rows.shape[0]
-        if n == self.positions.shape[0]:
-            query_start_loc = torch.tensor([0, n], dtype=torch.int32)
-            seq_lens = (self.positions[-1:] + 1).to(torch.int32)
-            table = self.block_table
-        else:
-            query_start_loc = torch.arange(n + 1, dtype=torch.int32)
-            seq_lens = (self.positions[self.rows] + 1).to(torch.int32)
-            table = self.block_table.expand(n, -1).contiguous()
+        """The rows computed now as vLLM requests over the run's blocks (:func:`row_requests`): all run rows are one
+        request whose last ``T`` tokens are the queries."""
+        query_start_loc, seq_lens = row_requests(self.positions[self.rows])
+        table = self.block_table.expand(seq_lens.shape[0], -1).contiguous()
         return cpu_attention_metadata(
             query_start_loc,
             seq_lens,
@@ -324,13 +340,18 @@ class QuestionProbe(BlendAttention):
         the result goes into ``output`` (``[m, num_heads, head_dim]``)."""
         i = self.layer_of[layer.layer_name]
         shape = self.kv.shape[3:]
-        k_pages, v_pages = cpu_attn_kv_views(self.caches[layer.layer_name], self.layout)
-        prefix_k = k_pages[self.prefix_blocks].reshape(-1, *shape)[: self.start]
-        prefix_v = v_pages[self.prefix_blocks].reshape(-1, *shape)[: self.start]
-        keys = torch.cat((prefix_k, self.kv[i, 0], key.view(-1, *shape)))
-        values = torch.cat((prefix_v, self.kv[i, 1], value.view(-1, *shape)))
-        out, received = question_attention(query, keys, values, scale=float(impl.scale))
-        output.copy_(out)
+        end = self.start + self.kv.shape[2]
+        # The prompt's naive K and V, float32 head-major [2, num_kv_heads, S, head_dim]: the attention reads them
+        # as they are (one copy of each source, converted on the way).
+        heads = torch.empty((2, shape[0], end + key.shape[0], shape[1]), dtype=torch.float32)
+        pages = cpu_attn_kv_views(self.caches[layer.layer_name], self.layout)
+        for j, new in enumerate((key, value)):
+            heads[j, :, : self.start] = pages[j][self.prefix_blocks].reshape(-1, *shape)[: self.start].transpose(0, 1)
+            heads[j, :, self.start : end] = self.kv[i, j].transpose(0, 1)
+            heads[j, :, end:] = new.view(-1, *shape).transpose(0, 1)
+        keys, values = heads.transpose(1, 2)  # [S, num_kv_heads, head_dim] views
+        out, received = question_attention(query.float(), keys, values, scale=float(impl.scale))
+        output.copy_(out)  # rounded to the model's dtype
         if i in self.layers:
             self.received += received[: self.received.shape[0]]
 
@@ -468,7 +489,7 @@ class Blender:
         start, end = t.start, t.end
         n = end - start
         num_layers = len(self._layers)
-        kv = torch.zeros((num_layers, 2, n, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+        kv = torch.empty((num_layers, 2, n, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
         stored = torch.zeros(n, dtype=torch.bool)
         reused = computed = 0
         # With chunk_context 'first_chunk', each later chunk's KV is that of the head (the first chunk) followed by
@@ -478,26 +499,15 @@ class Blender:
             if e <= start:
                 continue
             ctx = head if s >= head else 0
-            chunk, was_computed = self._chunk_kv(t.seed, t.token_ids[:ctx] + t.token_ids[s:e], ctx)
+            chunk, was_computed = self._chunk_kv(t.seed, t.token_ids[:ctx] + t.token_ids[s:e], ctx, s - ctx)
             computed += was_computed
             lo, hi = max(start, s), min(e, s + chunk.shape[2])
             if hi <= lo:
                 continue
-            part = chunk[:, :, lo - s : hi - s].contiguous()
-            if s != ctx:  # keys cached at positions ctx.. move to s..: rotate them by s - ctx
-                keys = part[:, 0].reshape(-1, spec.num_kv_heads, spec.head_dim)  # a copy: part[:, 0] is strided
-                assert self._rope is not None
-                rope_delta_(
-                    keys,
-                    torch.full((keys.shape[0],), s - ctx, dtype=torch.int64),
-                    rotary_dim=self._rope.rotary_dim,
-                    base=self._rope.base,
-                    neox=self._rope.neox,
-                )
-                part[:, 0] = keys.view(part[:, 0].shape)
-            kv[:, :, lo - start : hi - start] = part
+            kv[:, :, lo - start : hi - start] = chunk[:, :, lo - s : hi - s].transpose(0, 1)
             stored[lo - start : hi - start] = True
             reused += hi - lo
+        kv[:, :, ~stored] = 0  # no stored KV: zeros (the probe reads them; the pass recomputes those tokens)
         t1 = time.perf_counter()
         positions = torch.arange(start, end)
         ids = torch.tensor(t.block_ids, dtype=torch.int64)
@@ -563,18 +573,20 @@ class Blender:
                 hidden, residual = layer(positions, hidden, residual)
         return probe.received[start:]
 
-    def _chunk_kv(self, seed: bytes, tokens: list[int], skip: int = 0) -> tuple[torch.Tensor, bool]:
+    def _chunk_kv(self, seed: bytes, tokens: list[int], skip: int, shift: int) -> tuple[torch.Tensor, bool]:
         """The stored KV of ``tokens`` (a chunk, after ``skip`` tokens of context: the prompt's head, or none) from
-        token ``skip`` on, keys at their positions in ``tokens``: ``[num_layers, 2, m, num_kv_heads, head_dim]`` for
-        tokens ``skip .. skip + m``, and whether it was computed here (and stored) rather than loaded. ``m``: up to
-        the end of the leading stored blocks (0 if they end before ``skip``), or to the end when computed. Only the
-        blocks from the one holding token ``skip`` on are loaded."""
+        token ``skip`` on, keys moved ``shift`` positions on (RoPE delta, ``ucm.kernels.blend.rope_delta_``): ``[2,
+        num_layers, m, num_kv_heads, head_dim]`` (K, then V; a view) for tokens ``skip .. skip + m``, and whether it
+        was computed here (and stored) rather than loaded. ``m``: up to the end of the leading stored blocks (0 if
+        they end before ``skip``), or to the end when computed. Only the blocks from the one holding token ``skip``
+        on are loaded."""
         spec, bs = self._spec, self._spec.block_size
+        layers = len(self._layers)
         keys = rank_keys(block_keys(seed, tokens, bs), 0, 1)
         found = self._store.lookup(keys) if keys else 0
         if found < len(keys) and self._cfg.store_chunks:
             n = len(tokens)
-            kv = torch.zeros((len(self._layers), 2, n, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+            kv = torch.zeros((layers, 2, n, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
             nb = -(-n // bs)  # a scratch paged KV of the chunk's blocks, in the layers' layout
             scratch = {
                 name: torch.zeros((nb, spec.num_kv_heads, bs, 2 * spec.head_dim), dtype=spec.dtype)
@@ -589,21 +601,31 @@ class Blender:
             result = self._store.dump(missing, rows).result(self._timeout_s)
             if result.failed:
                 logger.warning("blend: %d of %d chunk blocks failed to store", len(result.failed), len(missing))
-            return kv[:, :, skip:], True
-        first = skip // bs  # the block holding token `skip`: the head's earlier blocks are not needed
-        if found <= first:
-            return torch.empty((len(self._layers), 2, 0, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype), False
-        n = found - first
-        staging = torch.empty((n, len(self._layers), 2, bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
-        result = self._store.load(keys[first:found], staging.view(torch.uint8).view(n, -1)).result(self._timeout_s)
-        if result.failed:  # a damaged or vanished block: the chunk's stored KV ends before it
-            n = min(result.failed)
-        rows = (
-            staging[:n]
-            .permute(1, 2, 0, 3, 4, 5)
-            .reshape(len(self._layers), 2, n * bs, spec.num_kv_heads, spec.head_dim)
-        )
-        return rows[:, :, skip - first * bs :], False
+            chunk, first, was_computed = kv.transpose(0, 1).contiguous(), 0, True
+        else:
+            first = skip // bs  # the block holding token `skip`: the head's earlier blocks are not needed
+            n = max(found - first, 0)
+            staging = torch.empty((n, layers, 2, bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+            if n:
+                load = self._store.load(keys[first:found], staging.view(torch.uint8).view(n, -1))
+                result = load.result(self._timeout_s)
+                if result.failed:  # a damaged or vanished block: the chunk's stored KV ends before it
+                    n = min(result.failed)
+            # blocks [n, L, 2, bs, ...] -> [2, L, n * bs, ...]: one copy
+            chunk = torch.empty((2, layers, n * bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+            chunk.view(2, layers, n, bs, spec.num_kv_heads, spec.head_dim).copy_(staging[:n].permute(2, 1, 0, 3, 4, 5))
+            was_computed = False
+        if shift and chunk.shape[2]:  # every layer's keys at once: one [layers * tokens, heads, head_dim] view
+            assert self._rope is not None
+            keys_view = chunk[0].view(-1, spec.num_kv_heads, spec.head_dim)
+            rope_delta_(
+                keys_view,
+                torch.full((keys_view.shape[0],), shift, dtype=torch.int64),
+                rotary_dim=self._rope.rotary_dim,
+                base=self._rope.base,
+                neox=self._rope.neox,
+            )
+        return chunk[:, :, skip - first * bs :], was_computed
 
     def _run_layers(
         self,

@@ -25,19 +25,40 @@ def delta_cos_sin(
 
 def rope_delta_torch(keys: torch.Tensor, delta: torch.Tensor, rotary_dim: int, base: float, neox: bool) -> None:
     """:func:`ucm.kernels.blend.rope_delta_` in torch ops: for the tokens whose delta is not 0 (the others are not
-    written), gather their first ``rotary_dim`` channels, rotate them in float32 (``x * cos + rotate_half(x) *
-    sin``, ``ucm.kernels.rerope.torch.rotate_with``), round to the key dtype and write them back, in chunks of
-    :data:`CHUNK_TOKENS` tokens."""
-    rows = torch.nonzero(delta != 0).flatten().to(keys.device)
+    written), take their first ``rotary_dim`` channels, rotate them in float32 (``x * cos + rotate_half(x) * sin``,
+    ``ucm.kernels.rerope.torch.rotate_with``), round to the key dtype and write them back, in chunks of
+    :data:`CHUNK_TOKENS` tokens. The cos/sin tables are computed once per distinct delta (a stored chunk moves all
+    its tokens by one delta) and are the values :func:`delta_cos_sin` gives per token; when every token moves, the
+    channels are rotated where they lie (no gather, no scatter)."""
+    moved = delta != 0
+    rows = torch.nonzero(moved).flatten().to(keys.device)
     if rows.numel() == 0:
         return
-    cos, sin = delta_cos_sin(delta, rotary_dim, base, keys.device)
+    distinct, which = torch.unique(delta[moved], return_inverse=True)
+    cos, sin = delta_cos_sin(distinct, rotary_dim, base, keys.device)  # [U, half] each
+    which = which.to(keys.device)
+    every = rows.numel() == keys.shape[0]
     rotated_part = keys[:, :, :rotary_dim]  # a view: writes land in keys
     for start in range(0, rows.numel(), CHUNK_TOKENS):
-        r = rows[start : start + CHUNK_TOKENS]
-        x = rotated_part.index_select(0, r)  # [n, H, rotary_dim]
-        y = rotate_with(x, cos[r][:, None, :], sin[r][:, None, :], rotary_dim, neox)
-        rotated_part.index_copy_(0, r, y.to(keys.dtype))
+        part = slice(start, start + CHUNK_TOKENS)
+        if distinct.numel() == 1:
+            c, s = cos[:, None, :], sin[:, None, :]  # [1, 1, half]: broadcast over the tokens
+        else:
+            c, s = cos[which[part]][:, None, :], sin[which[part]][:, None, :]
+        if every and neox:  # in place, half by half: x1 * cos - x2 * sin, x2 * cos + x1 * sin (rotate_with's values)
+            x = rotated_part[part]
+            x1, x2 = x[..., : rotary_dim // 2], x[..., rotary_dim // 2 :]
+            f1, f2 = x1.float(), x2.float()  # float32 keys: the halves themselves, so both are computed first
+            y1, y2 = f1 * c - f2 * s, f2 * c + f1 * s
+            x1.copy_(y1)
+            x2.copy_(y2)
+        elif every:
+            x = rotated_part[part]
+            x.copy_(rotate_with(x, c, s, rotary_dim, neox))
+        else:
+            r = rows[part]
+            y = rotate_with(rotated_part.index_select(0, r), c, s, rotary_dim, neox)
+            rotated_part.index_copy_(0, r, y.to(keys.dtype))
 
 
 def kv_deviation_torch(
@@ -78,21 +99,31 @@ def select_recompute_torch(deviation: torch.Tensor, ratio: float, always: torch.
     return torch.nonzero(chosen).flatten()
 
 
+def _float32_head_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[S, H, D]``) as a contiguous float32 ``[H, S, D]``: ``x.transpose(0, 1)`` itself when it is one."""
+    heads = x.transpose(0, 1)
+    if heads.dtype == torch.float32 and heads.is_contiguous():
+        return heads
+    return torch.empty(heads.shape, dtype=torch.float32, device=x.device).copy_(heads)
+
+
 def question_attention_torch(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ucm.kernels.blend.question_attention` in torch ops, one KV head's group of query heads at a time
-    (float32 logits ``[group, m, S]``): logits and softmax in float32, the output rounded to ``query``'s dtype."""
+    (float32 logits ``[group, m, S]``): logits and softmax in float32, the output rounded to ``query``'s dtype. The
+    keys and values are read head-major in float32 (``[num_kv_heads, S, head_dim]``): one copy, none when the
+    caller hands float32 tensors whose heads are contiguous (``keys.transpose(0, 1).is_contiguous()``)."""
     m, num_heads, _ = query.shape
     s, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
-    visible = torch.arange(s, device=query.device)[None, :] <= torch.arange(s - m, s, device=query.device)[:, None]
+    hidden = torch.arange(s, device=query.device)[None, :] > torch.arange(s - m, s, device=query.device)[:, None]
+    k_heads, v_heads = _float32_head_major(keys), _float32_head_major(values)  # [num_kv_heads, S, D]
     out = torch.empty_like(query)
     received = torch.zeros(s, dtype=torch.float32, device=query.device)
     for h in range(num_kv_heads):
-        q = query[:, h * group : (h + 1) * group].transpose(0, 1).float()  # [group, m, D]
-        k, v = keys[:, h].float(), values[:, h].float()  # [S, D]
-        probs = (q @ k.T * scale).masked_fill(~visible, float("-inf")).softmax(-1)  # [group, m, S]
-        out[:, h * group : (h + 1) * group] = (probs @ v).transpose(0, 1).to(query.dtype)
+        q = query[:, h * group : (h + 1) * group].transpose(0, 1).to(torch.float32).contiguous()  # [group, m, D]
+        probs = (q @ k_heads[h].T * scale).masked_fill(hidden, float("-inf")).softmax(-1)  # [group, m, S]
+        out[:, h * group : (h + 1) * group] = (probs @ v_heads[h]).transpose(0, 1).to(query.dtype)
         received += probs.sum(dim=(0, 1))
     return out, received
