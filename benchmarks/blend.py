@@ -412,7 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         "requests": [{"prompt": p, "max_tokens": args.max_tokens} for p in [WARMUP_PROMPT, *prompts]],
     }
     keep_logs = Path(args.keep_logs) if args.keep_logs else None
-    runs: dict[str, ModeRun] = {}
     with tempfile.TemporaryDirectory(prefix="ucm-blend-") as tmp_name:
         tmp = Path(tmp_name)
         modes: list[tuple[str, str, float | None]] = [("full", "kv_consumer", None), ("prefix_only", "kv_both", None)]

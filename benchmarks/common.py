@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -207,8 +208,6 @@ class TakeTurns:
 
     def run(self, poll_s: float = 0.002) -> None:
         """Grant the turns in order; returns once the last one is granted (run it in a thread)."""
-        import time
-
         previous: tuple[int, int] | None = None
         for i in range(self._requests):
             for e in range(self._engines):
