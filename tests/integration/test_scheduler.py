@@ -683,9 +683,10 @@ def blend_config(tmp_path: Path) -> UcmConfig:
 
 
 def test_blend_offers_the_chunks_past_the_stored_prefix_and_dumps_nothing(tmp_path, log):
-    """Chunks of 2.5 blocks each, the first stored as a prefix: the scheduler offers every token up to the last
-    chunk's end (not only the stored prefix), sends the run with the chunks and the blocks to fill, loads the stored
-    prefix as usual, and plans no dump for the request (its KV past the prefix is approximate)."""
+    """Chunks of 2.5 blocks each, the first stored as a prefix: the scheduler offers every token but the last (not
+    only the stored prefix: the chunks, then the question but its last token, which vLLM computes), sends the run
+    with the chunks and the blocks to fill, loads the stored prefix as usual, and plans no dump for the request (its
+    KV past the prefix is approximate)."""
     cfg = blend_config(tmp_path)
     chunk = 2 * BLOCK_SIZE + BLOCK_SIZE // 2
     a, b, c = ([*tokens(chunk - 1, start), END] for start in (1000, 3000, 5000))
@@ -697,7 +698,7 @@ def test_blend_offers_the_chunks_past_the_stored_prefix_and_dumps_nothing(tmp_pa
         sched = UCMScheduler(cfg, SPEC, NAMESPACE, st, load=True, dump=True)
         request = make_request("r", ids)
         num_external, _ = sched.get_num_new_matched_tokens(request, 0)
-        assert num_external == 3 * chunk  # through the last chunk-end token
+        assert num_external == len(ids) - 1  # through the question but its last token
         block_ids = list(range(20, 20 + -(-len(ids) // BLOCK_SIZE)))
         sched.update_state_after_alloc(request, kv_blocks(block_ids), num_external)
         meta = sched.build_connector_meta(new_step(request, block_ids, num_external, len(ids) - num_external))
@@ -705,11 +706,32 @@ def test_blend_offers_the_chunks_past_the_stored_prefix_and_dumps_nothing(tmp_pa
         st.close()
     assert transfers(meta.loads) == [("r", keys_of(a)[:2], block_ids[:2], False)]
     (run,) = meta.blends
-    assert (run.start, run.end) == (2 * BLOCK_SIZE, 3 * chunk)
+    end = len(ids) - 1
+    assert (run.start, run.end) == (2 * BLOCK_SIZE, end)
     assert run.spans == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, 3 * chunk)]
-    assert run.token_ids == ids[: 3 * chunk] and run.block_ids == block_ids[: -(-3 * chunk // BLOCK_SIZE)]
+    assert run.token_ids == ids[:end] and run.block_ids == block_ids[: -(-end // BLOCK_SIZE)]
     assert meta.dumps == []
-    assert log.messages(logging.INFO)[-1].endswith(f"hit external: 2, blend: tokens {2 * BLOCK_SIZE}-{3 * chunk}")
+    assert log.messages(logging.INFO)[-1].endswith(f"hit external: 2, blend: tokens {2 * BLOCK_SIZE}-{end}")
+
+
+def test_blend_skips_a_prompt_whose_chunks_are_all_in_the_stored_prefix(tmp_path):
+    """One chunk of two whole blocks, stored, then a question: no chunk token past the prefix, so no run (the
+    question is vLLM's to compute, as in any prefix hit); the stored prefix is offered as usual."""
+    cfg = blend_config(tmp_path)
+    a = [*tokens(2 * BLOCK_SIZE - 1, 1000), END]
+    ids = a + tokens(9, 7000)
+    fill_store(cfg, keys_of(a)[:2])
+    st = build_store(cfg.store)
+    try:
+        sched = UCMScheduler(cfg, SPEC, NAMESPACE, st, load=True, dump=True)
+        request = make_request("r", ids)
+        assert sched.get_num_new_matched_tokens(request, 0) == (2 * BLOCK_SIZE, False)
+        block_ids = list(range(20, 20 + -(-len(ids) // BLOCK_SIZE)))
+        sched.update_state_after_alloc(request, kv_blocks(block_ids), 2 * BLOCK_SIZE)
+        meta = sched.build_connector_meta(new_step(request, block_ids, 2 * BLOCK_SIZE, len(ids) - 2 * BLOCK_SIZE))
+    finally:
+        st.close()
+    assert meta.blends == [] and transfers(meta.loads) == [("r", keys_of(a)[:2], block_ids[:2], False)]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from ucm.sparse.blend import blend_end, chunk_spans
 @pytest.mark.parametrize(
     ("ids", "spans", "end"),
     [
-        ([1, 2, 9, 3, 9, 4, 5], [(0, 3), (3, 5)], 5),
+        ([1, 2, 9, 3, 9, 4, 5], [(0, 3), (3, 5)], 6),  # the run takes the question but its last token
         ([9, 1, 9], [(0, 1), (1, 3)], 2),  # a prompt ending with the chunk end: its last token is left to vLLM
         ([1, 2, 3], [], 0),
     ],

@@ -170,14 +170,17 @@ def test_question_selection_recomputes_what_the_question_attends_to(runs) -> Non
     engine = {int(x) for x in match.group(1).split(",")}
     ids = AutoTokenizer.from_pretrained(runs["model"])(runs["prompts"][2]).input_ids
     assert len(ids) == runs["question"][0].num_prompt_tokens
+    # The run goes on past the last chunk through the question but its last token (no stored KV: recomputed)
+    chunks_end = chunk_spans(ids, SEP_ID)[-1][1]
+    assert end == len(ids) - 1 > chunks_end
     model = ReferenceModel(runs["model"])
     store: dict = {}
-    kwargs = {"chunk_end_id": SEP_ID, "block_size": 128, "chunk_context": "none", "query_ids": ids[end:]}
-    want = blend(model, ids[:end], store, rule=Rule("question", ((1, 0.3),)), **kwargs)
-    deviation = blend(model, ids[:end], store, rule=Rule("deviation", ((1, 0.3),)), **kwargs)
-    assert (want.start, want.recomputed) == (start, recomputed)
+    kwargs = {"chunk_end_id": SEP_ID, "block_size": 128, "chunk_context": "none", "query_ids": ids[chunks_end:]}
+    want = blend(model, ids[:chunks_end], store, rule=Rule("question", ((1, 0.3),)), **kwargs)
+    deviation = blend(model, ids[:chunks_end], store, rule=Rule("deviation", ((1, 0.3),)), **kwargs)
+    assert (want.start, want.recomputed) == (start, recomputed - (end - chunks_end))
     # The picked tokens: those with stored KV (each chunk's whole blocks; the rest is always recomputed)
-    stored = {p for s, e in chunk_spans(ids[:end], SEP_ID) for p in range(max(s, start), s + (e - s) // 128 * 128)}
+    stored = {p for s, e in chunk_spans(ids, SEP_ID) for p in range(max(s, start), s + (e - s) // 128 * 128)}
     assert len(stored) == reused
     picked, reference = engine & stored, set(want.chosen.tolist()) & stored
     assert len(picked) == len(reference) == recompute_count(reused, 0.3)

@@ -25,6 +25,7 @@ def chunk_spans(token_ids: Sequence[int], chunk_end_token_id: int) -> list[tuple
 
 
 def blend_end(spans: Sequence[tuple[int, int]], num_prompt_tokens: int) -> int:
-    """Where the blended run of a prompt with chunks ``spans`` ends: the end of its last chunk, but at most
-    ``num_prompt_tokens - 1`` (vLLM computes at least the prompt's last token, whose logits it samples)."""
-    return min(spans[-1][1], num_prompt_tokens - 1) if spans else 0
+    """Where the blended run of a prompt with chunks ``spans`` ends: at the prompt's last token (the blend also
+    computes the tokens after the last chunk but that one, e.g. the question; vLLM computes the last token, whose
+    logits it samples, so its own pass is one token). No chunk: 0."""
+    return num_prompt_tokens - 1 if spans else 0

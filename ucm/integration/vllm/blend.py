@@ -7,10 +7,9 @@ EuroSys 2025, arXiv 2405.16444). Users end each chunk of the prompt (e.g. each r
 What vLLM is told. vLLM 0.32 computes every prompt token it schedules, through every layer, and offers no hook to
 drop tokens from its pass. So CacheBlend runs *before* vLLM's pass, as a KV load: the scheduler side
 (:meth:`UCMScheduler.get_num_new_matched_tokens <ucm.integration.vllm.scheduler.UCMScheduler>`) offers, past the
-stored prefix, every token up to the end of the prompt's last chunk as external tokens; vLLM allocates their blocks
-and schedules only the rest (the suffix, e.g. the question), and the worker fills the offered tokens' KV in
-``start_load_kv`` (:class:`Blender`), after the step's ordinary prefix loads. vLLM then computes the suffix over
-that KV and samples as usual.
+stored prefix, every prompt token but the last as external tokens; vLLM allocates their blocks and schedules only
+the last token, and the worker fills the offered tokens' KV in ``start_load_kv`` (:class:`Blender`), after the
+step's ordinary prefix loads. vLLM then computes the last token over that KV and samples as usual.
 
 The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
 
@@ -28,16 +27,19 @@ The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
    every CPU kernel variant's layout, ``vec``, ``vec16`` and ``amx``, is written as vLLM writes it); tokens without
    stored KV (a chunk's trailing partial block has no key) get zeros there, and are always recomputed.
 3. The run's tokens go through the model's own decoder layers (vLLM's modules: norms, QKV projection, rotary
-   embedding, MLP); each layer writes the K and V of the rows it computes into the paged cache and runs vLLM's own
+   embedding, MLP; called eagerly, the norms through vLLM's fused CPU kernels, ``ucm.integration.vllm.cpu_norms``);
+   each layer writes the K and V of the rows it computes into the paged cache and runs vLLM's own
    CPU attention kernel for them (:class:`BlendPass`). Up to the layer named in ``compute_meta`` every run token is
    computed, as one prefill over the prefix; at that layer the tokens whose recomputed K and V deviate most from
    the stored ones (``ratio`` of the tokens with stored KV, ``ucm.kernels.blend``), plus the tokens without stored
    KV, are chosen, and only they go through the later layers, as queries at their positions (each run of
    consecutive chosen tokens one request of vLLM's kernel, :func:`row_requests`); the other
-   tokens keep their stored KV there. The paged cache then holds the run's KV. With ``selection: question`` the
-   ``ratio`` is taken by another score, computed before the pass (:class:`QuestionProbe`): the prompt's tokens after
-   the run (the question) go through the layers over the prompt's naive KV (prefix, stored KV, zeros), and each run
-   token scores the attention it receives from them over ``question_layers``.
+   tokens keep their stored KV there. The run's tokens after the last chunk (the question but its last token) have
+   no stored KV, so they are computed through every layer too. The paged cache then holds the run's KV. With
+   ``selection: question`` the ``ratio`` is taken by another score, computed before the pass
+   (:class:`QuestionProbe`): the prompt's tokens after its last chunk (the question) go through the layers over the
+   prompt's naive KV (prefix, stored KV, zeros), and each chunk token scores the attention it receives from them
+   over ``question_layers``.
 
 The model's layers are called with a forward context whose attention metadata is this module's
 :class:`BlendPass` (or :class:`QuestionProbe`, both :class:`BlendAttention`); UCM's attention wrapper
@@ -71,6 +73,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAtte
 
 from ucm.config import BlendConfig, UcmConfigError, default_question_layers
 from ucm.hashing import block_keys, rank_keys
+from ucm.integration.vllm.cpu_norms import cpu_norms
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlendTransfer
 from ucm.kernels.blend import kv_deviation, question_attention, rope_delta_, select_recompute
@@ -298,18 +301,19 @@ class BlendPass(BlendAttention):
 
 @dataclass
 class QuestionProbe(BlendAttention):
-    """The attention metadata of ``selection: question``'s probe: the prompt's tokens after the run (the question)
-    go through the model's layers over the naive KV of the prompt (the prefix from the paged KV, the run's stored KV,
-    zeros where none is stored), each layer attending with :func:`ucm.kernels.blend.question_attention` (torch,
-    float32 softmax), and the attention each run token receives is summed over the heads, the question's tokens and
-    the layers ``layers``. Nothing is written to the paged KV.
+    """The attention metadata of ``selection: question``'s probe: the prompt's tokens after its last chunk (the
+    question) go through the model's layers over the naive KV of the prompt (the prefix from the paged KV, the
+    chunks' stored KV, zeros where none is stored), each layer attending with
+    :func:`ucm.kernels.blend.question_attention` (torch, float32 softmax), and the attention each chunk token
+    receives is summed over the heads, the question's tokens and the layers ``layers``. Nothing is written to the
+    paged KV.
 
     Attributes:
         layer_of: attention layer name -> decoder layer index.
         caches: attention layer name -> vLLM's paged KV (read: the prefix); layout: its CPU layout.
         prefix_blocks: int64 vLLM block ids holding tokens ``[0, start)``; start: the run's first token.
-        kv: ``[num_layers, 2, T, num_kv_heads, head_dim]`` the run's stored KV (zeros where none), keys at their
-            positions in this prompt.
+        kv: ``[num_layers, 2, T, num_kv_heads, head_dim]`` the stored KV of the run's tokens up to the last chunk's
+            end (zeros where none), keys at their positions in this prompt; the question follows them.
         layers: the decoder layers whose attention is summed.
         received: float32 ``[start + T]``: per prompt token up to the run's end, the attention summed so far.
     """
@@ -322,6 +326,7 @@ class QuestionProbe(BlendAttention):
     kv: torch.Tensor
     layers: range
     received: torch.Tensor = field(init=False)
+    _heads: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.received = torch.zeros(self.start + self.kv.shape[2], dtype=torch.float32)
@@ -342,8 +347,11 @@ class QuestionProbe(BlendAttention):
         shape = self.kv.shape[3:]
         end = self.start + self.kv.shape[2]
         # The prompt's naive K and V, float32 head-major [2, num_kv_heads, S, head_dim]: the attention reads them
-        # as they are (one copy of each source, converted on the way).
-        heads = torch.empty((2, shape[0], end + key.shape[0], shape[1]), dtype=torch.float32)
+        # as they are (one copy of each source, converted on the way); one buffer for every layer.
+        size = (2, shape[0], end + key.shape[0], shape[1])
+        if self._heads is None or self._heads.shape != size:
+            self._heads = torch.empty(size, dtype=torch.float32)
+        heads = self._heads
         pages = cpu_attn_kv_views(self.caches[layer.layer_name], self.layout)
         for j, new in enumerate((key, value)):
             heads[j, :, : self.start] = pages[j][self.prefix_blocks].reshape(-1, *shape)[: self.start].transpose(0, 1)
@@ -520,7 +528,11 @@ class Blender:
         table = ids.to(torch.int32)[None, :]
         scores = None
         if self._cfg.selection == "question" and t.query_ids and stored.any():
-            scores = self._question_scores(t.query_ids, ids[: -(-start // bs)], start, kv)
+            chunks_end = min(t.spans[-1][1], end)  # the question's tokens follow; the probe computes them itself
+            scores = torch.zeros(n, dtype=torch.float32)  # past the chunks: no stored KV, always recomputed
+            scores[: chunks_end - start] = self._question_scores(
+                t.query_ids, ids[: -(-start // bs)], start, kv[:, :, : chunks_end - start]
+            )
         rows = self._run_layers(t.token_ids[start:end], positions, self._kv_caches, table, slots, kv, stored, scores)
         logger.info(
             "request_id: %s, blend of tokens %d-%d: %d chunks, %d tokens with their chunk's own KV (%d chunks were "
@@ -545,11 +557,12 @@ class Blender:
     def _question_scores(
         self, query_ids: list[int], prefix_blocks: torch.Tensor, start: int, kv: torch.Tensor
     ) -> torch.Tensor:
-        """``selection: question``: the attention each run token receives from ``query_ids`` (the prompt's tokens
-        after the run, at the positions after it) over the prompt's naive KV, summed over the heads, the question's
-        tokens and ``question_layers`` (:class:`QuestionProbe`): float32 ``[T]``. ``prefix_blocks``: int64 the vLLM
-        blocks of tokens ``[0, start)``; ``kv``: the run's stored KV (``[num_layers, 2, T, num_kv_heads,
-        head_dim]``, zeros where none)."""
+        """``selection: question``: the attention each token ``start .. start + T`` receives from ``query_ids`` (the
+        prompt's tokens after its last chunk, at the positions after token ``start + T``, the last chunk's end) over
+        the prompt's naive KV, summed over the heads, the question's tokens and ``question_layers``
+        (:class:`QuestionProbe`): float32 ``[T]``. ``prefix_blocks``: int64 the vLLM blocks of tokens ``[0,
+        start)``; ``kv``: the stored KV of those ``T`` tokens (``[num_layers, 2, T, num_kv_heads, head_dim]``, zeros
+        where none)."""
         assert self._layout is not None
         probe = QuestionProbe(
             layer_of=self._layer_of,
@@ -565,6 +578,7 @@ class Blender:
         ids = torch.tensor(query_ids, dtype=torch.int64)
         with (
             torch.inference_mode(),
+            cpu_norms(),
             set_forward_context({a.layer_name: probe for a in self._attn}, self._vllm_config, slot_mapping={}),
         ):
             hidden = self._embed(ids)
@@ -660,7 +674,7 @@ class Blender:
         metadata = {a.layer_name: state for a in self._attn}
         ids = torch.tensor(tokens, dtype=torch.int64)
         # No slot mapping: vLLM's cache writer skips every layer (the pass writes the KV itself).
-        with torch.inference_mode(), set_forward_context(metadata, self._vllm_config, slot_mapping={}):
+        with torch.inference_mode(), cpu_norms(), set_forward_context(metadata, self._vllm_config, slot_mapping={}):
             hidden = self._embed(ids)
             residual = None
             for i, layer in enumerate(self._layers):

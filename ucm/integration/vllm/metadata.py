@@ -35,11 +35,13 @@ class BlendTransfer:
         token_ids: the prompt's first ``end`` token ids.
         start, end: the run is tokens ``[start, end)``; the tokens before ``start`` are in the paged KV when the
             blend runs (vLLM's prefix cache, or this step's loads).
-        spans: the prompt's chunks ``[s, e)`` in order, covering ``[0, end)`` (each ends with the chunk-end token,
-            the last one possibly cut at ``end``).
+        spans: the prompt's chunks ``[s, e)`` in order (each ends with the chunk-end token), covering the tokens
+            up to the last chunk's end; the run's tokens past it (the question but its last token) belong to no
+            chunk. The last chunk can reach past ``end`` (a prompt that ends with the chunk-end token).
         block_ids: the vLLM blocks of tokens ``[0, end)``.
         seed: the request's key-chain seed (``ucm.hashing.request_seed``): a chunk's blocks are keyed from it.
-        query_ids: the prompt's tokens after ``end`` (the question; read by ``selection: question``).
+        query_ids: the prompt's tokens after its last chunk, through its last token (the question; read by
+            ``selection: question``).
     """
 
     req_id: str

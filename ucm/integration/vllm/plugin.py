@@ -8,8 +8,9 @@ vLLM calls :func:`register` in every process (API/main, engine core, workers) be
   ``kv_connector_module_path`` still takes priority, and becomes optional);
 - on CPU, overrides the ``CPU_ATTN`` attention backend with UCM's wrapper (``ucm.integration.vllm.sparse_backend``),
   a pure pass-through unless ``ucm_sparse_config`` switches a method on, and makes the process remember the model
-  vLLM loads (CacheBlend runs its layers, ``ucm.integration.vllm.blend``). Other platforms: no wrapper in this
-  version.
+  vLLM loads (CacheBlend runs its layers, ``ucm.integration.vllm.blend``), and registers vLLM's fused CPU RMSNorm
+  kernels as provider ``ucm_cpu`` of vLLM's IR ops (``ucm.integration.vllm.cpu_norms``; used only inside
+  CacheBlend's pass). Other platforms: no wrapper in this version.
 
 Idempotent. ``VLLM_PLUGINS`` (a comma-separated allow-list) can exclude it by leaving out ``ucm_sparse``.
 """
@@ -48,7 +49,9 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from ucm.integration.vllm.blend import install_model_capture
+    from ucm.integration.vllm.cpu_norms import register_cpu_norms
     from ucm.integration.vllm.sparse_backend import BACKEND_PATH
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     install_model_capture()
+    register_cpu_norms()

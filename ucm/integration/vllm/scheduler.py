@@ -82,10 +82,10 @@ class UCMScheduler:
         dp_rank: the engine's data-parallel rank when it is one of several DP engines (added to the per-request log
             line, whose ranks otherwise share one log), else None.
 
-    With CacheBlend on (``ucm_sparse_config.Blend``), a prompt with chunks also offers, past its stored prefix, the
-    tokens up to the end of its last chunk (:func:`~ucm.sparse.blend.blend_end`): the workers fill them from the
-    chunks' stored KV (:mod:`ucm.integration.vllm.blend`); such a request dumps no block, since its KV past the
-    prefix is approximate and its keys would claim a prefix computation.
+    With CacheBlend on (``ucm_sparse_config.Blend``), a prompt with chunks past its stored prefix also offers every
+    token up to its last one (:func:`~ucm.sparse.blend.blend_end`): the workers fill them from the chunks' stored KV
+    and compute the rest (:mod:`ucm.integration.vllm.blend`), vLLM computes the last token; such a request dumps no
+    block, since its KV past the prefix is approximate and its keys would claim a prefix computation.
     """
 
     def __init__(
@@ -298,8 +298,8 @@ class UCMScheduler:
 
     def _plan_blend(self, request: Request, state: _RequestState, num_computed_tokens: int) -> int:
         """CacheBlend's run of ``request`` (kept in ``state.blend`` until :meth:`build_connector_meta` sends it): the
-        tokens from its stored or cached prefix to the end of its last chunk. Returns the tokens offered beyond
-        ``num_computed_tokens`` (0: no run, e.g. no chunk-end token past the prefix)."""
+        tokens from its stored or cached prefix to its last token (:func:`~ucm.sparse.blend.blend_end`). Returns
+        the tokens offered beyond ``num_computed_tokens`` (0: no run, e.g. no chunk-end token past the prefix)."""
         assert self._blend is not None
         tokens = request.prompt_token_ids
         if tokens is None or request.lora_request is not None or getattr(request, "mm_features", None):
@@ -307,10 +307,10 @@ class UCMScheduler:
         spans = chunk_spans(tokens, self._blend.chunk_end_token_id)
         end = blend_end(spans, request.num_prompt_tokens)
         start = max(num_computed_tokens, state.num_stored * self._block_size)
-        if end <= start:
+        if not spans or min(spans[-1][1], end) <= start:  # no chunk token past the prefix: nothing to blend
             return 0
         seed = request_seed(self._namespace, request.cache_salt, None)
-        query = list(tokens[end:]) if self._blend.selection == "question" else []
+        query = list(tokens[spans[-1][1] :]) if self._blend.selection == "question" else []
         state.blend = BlendTransfer(request.request_id, list(tokens[:end]), start, end, spans, [], seed, query)
         return end - num_computed_tokens
 

@@ -110,20 +110,23 @@ def _float32_head_major(x: torch.Tensor) -> torch.Tensor:
 def question_attention_torch(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ucm.kernels.blend.question_attention` in torch ops, one KV head's group of query heads at a time
-    (float32 logits ``[group, m, S]``): logits and softmax in float32, the output rounded to ``query``'s dtype. The
-    keys and values are read head-major in float32 (``[num_kv_heads, S, head_dim]``): one copy, none when the
-    caller hands float32 tensors whose heads are contiguous (``keys.transpose(0, 1).is_contiguous()``)."""
-    m, num_heads, _ = query.shape
+    """:func:`ucm.kernels.blend.question_attention` in torch ops, all KV heads at once (float32 logits
+    ``[num_kv_heads, group, m, S]``, batched matmuls over the KV heads): logits and softmax in float32, the output
+    rounded to ``query``'s dtype. The causal mask only touches the last ``m`` keys (the earlier ones are visible to
+    every query row). The keys and values are read head-major in float32 (``[num_kv_heads, S, head_dim]``): one
+    copy, none when the caller hands float32 tensors whose heads are contiguous
+    (``keys.transpose(0, 1).is_contiguous()``)."""
+    m, num_heads, head_dim = query.shape
     s, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
-    hidden = torch.arange(s, device=query.device)[None, :] > torch.arange(s - m, s, device=query.device)[:, None]
     k_heads, v_heads = _float32_head_major(keys), _float32_head_major(values)  # [num_kv_heads, S, D]
-    out = torch.empty_like(query)
-    received = torch.zeros(s, dtype=torch.float32, device=query.device)
-    for h in range(num_kv_heads):
-        q = query[:, h * group : (h + 1) * group].transpose(0, 1).to(torch.float32).contiguous()  # [group, m, D]
-        probs = (q @ k_heads[h].T * scale).masked_fill(hidden, float("-inf")).softmax(-1)  # [group, m, S]
-        out[:, h * group : (h + 1) * group] = (probs @ v_heads[h]).transpose(0, 1).to(query.dtype)
-        received += probs.sum(dim=(0, 1))
-    return out, received
+    # [m, num_heads, D] -> [num_kv_heads, group * m, D]: query head h * group + j reads KV head h
+    q = query.to(torch.float32).view(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    logits = torch.bmm(q.reshape(num_kv_heads, group * m, head_dim), k_heads.transpose(1, 2)).mul_(scale)
+    logits = logits.view(num_kv_heads, group, m, s)
+    hidden = torch.ones(m, m, dtype=torch.bool, device=query.device).triu_(1)  # row i sits at position s - m + i
+    logits[..., s - m :].masked_fill_(hidden, float("-inf"))
+    probs = logits.softmax(-1)
+    out = torch.bmm(probs.view(num_kv_heads, group * m, s), v_heads)  # [num_kv_heads, group * m, D]
+    out = out.view(num_kv_heads, group, m, head_dim).permute(2, 0, 1, 3).reshape(m, num_heads, head_dim)
+    return out.to(query.dtype), probs.sum(dim=(0, 1, 2))
