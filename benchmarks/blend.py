@@ -38,8 +38,8 @@ both sides of a ratio alike.
   {chunk_end_token_id: <file_sep>, compute_meta: {model.layers.1.self_attn.attn: {ratio: r}}, store_chunks: true}}``.
   The in-order prompt computes every document on its own (positions from 0) and stores it; a measured prompt loads
   its first document as a stored prefix and the others' stored KV at their new positions, recomputes every blended
-  token through layers 0-1 and, after layer 1, the ``r`` of them whose KV deviates most (plus the tokens of each
-  document's last, partial block, which the store does not hold); vLLM then computes the question. With
+  token through layers 0-1 and, after layer 1, the ``r`` of them whose KV deviates most (plus the question's
+  tokens but the last, which have no stored KV); vLLM then computes the prompt's last token. With
   ``--chunk-context first_chunk`` (Blend's ``chunk_context``) the in-order prompt computes each document after the
   head and stores it under the keys of head + document; a measured prompt's first document after the head is a
   stored prefix, and each other document's blocks are loaded from the one holding the head/document boundary on.

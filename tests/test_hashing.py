@@ -14,7 +14,15 @@ import cbor2
 import numpy as np
 import pytest
 
-from ucm.hashing import CANONICAL_FORMAT_VERSION, KEY_NBYTES, KVNamespace, block_keys, rank_keys, request_seed
+from ucm.hashing import (
+    CANONICAL_FORMAT_VERSION,
+    KEY_NBYTES,
+    KVNamespace,
+    block_keys,
+    partial_block_key,
+    rank_keys,
+    request_seed,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZES = [1, 3, 16]
@@ -324,3 +332,35 @@ def test_rank_keys_one_rank_is_identity_and_ranks_differ() -> None:
     assert rank_keys(keys, 1, 2) == r1  # deterministic
     with pytest.raises(ValueError, match="tp_rank"):
         rank_keys(keys, 2, 2)
+
+
+# -- partial blocks (CacheBlend's chunk tails) ------------------------------------------------------------------------
+
+
+def test_partial_block_key_matches_the_documented_formula() -> None:
+    tokens = GOLDEN_TOKENS[12:]
+    parent = block_keys(SEED, GOLDEN_TOKENS, 4)[-1]
+    h = hashlib.blake2b(digest_size=16, person=b"ucm-partial")
+    h.update(parent + np.asarray(tokens, dtype="<u4").tobytes())
+    assert partial_block_key(parent, tokens) == h.digest()
+    assert partial_block_key(parent, np.asarray(tokens, dtype=np.int64)) == h.digest()
+
+
+def test_partial_block_key_names_its_parent_and_tokens_and_is_not_a_full_blocks() -> None:
+    tokens = make_tokens(7, 3)  # one full block of 4, a tail of 3
+    k0, k1 = block_keys(SEED, [*tokens, 1], 4)  # the tail completed to a full block
+    key = partial_block_key(k0, tokens[4:])
+    assert key != partial_block_key(SEED, tokens[4:])  # another parent
+    assert key != partial_block_key(k0, tokens[4:6]) and key != partial_block_key(k0, tokens[4:][::-1])
+    assert key not in (k0, k1)  # a full block's key is never a partial block's
+    assert partial_block_key(k0, tokens[4:]) == key  # deterministic
+
+
+@pytest.mark.parametrize(
+    ("parent", "tokens", "match"),
+    [(b"short", [1], "16-byte"), (SEED, [], "non-empty"), (SEED, [2**32], "in \\[0"), (SEED, [-1], "in \\[0")],
+    ids=["short-parent", "no-tokens", "too-big", "negative"],
+)
+def test_partial_block_key_refuses_bad_input(parent: bytes, tokens: list[int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        partial_block_key(parent, tokens)

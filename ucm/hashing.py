@@ -137,6 +137,29 @@ def block_keys(
     return keys
 
 
+def partial_block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of a trailing partial block: ``token_ids`` (fewer than a block's tokens) after the full block whose key
+    is ``parent`` (the request seed when there is none). ``BLAKE2b-128(parent || token_ids as little-endian
+    uint32)`` personalized ``ucm-partial``: a hash function of its own, so a partial block's key never equals a full
+    block's. Only CacheBlend stores partial blocks (a chunk's tail, ``ucm.integration.vllm.blend``); prefix caching
+    stores full blocks only.
+
+    Raises:
+        ValueError: ``parent`` is not 16 bytes, ``token_ids`` is empty, or a token id is not in ``[0, 2**32)``.
+    """
+    if len(parent) != KEY_NBYTES:
+        raise ValueError(f"parent must be a {KEY_NBYTES}-byte key, got {len(parent)} bytes")
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or not tokens.size or tokens.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be a non-empty 1-D sequence of integers, got {tokens.ndim}-D {tokens.dtype}")
+    if tokens.min() < 0 or tokens.max() >= 1 << 32:
+        raise ValueError("token ids must be in [0, 2**32)")
+    h = hashlib.blake2b(digest_size=KEY_NBYTES, person=b"ucm-partial")
+    h.update(parent)
+    h.update(tokens.astype("<u4").tobytes())
+    return h.digest()
+
+
 def rank_keys(keys: Sequence[bytes], tp_rank: int, tp_size: int) -> list[bytes]:
     """Keys of one tensor-parallel rank's shards: the request keys themselves with one rank, else
     ``BLAKE2b-128(key || rank as u32 little-endian)``, so each rank's shard of a block is stored under its own key.

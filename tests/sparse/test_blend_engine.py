@@ -81,6 +81,14 @@ def runs(tmp_path_factory) -> dict:
     # damaged before the last request.
     damage = f"find {store} -type f -name '*.ucmb' -exec truncate -s 64 {{}} +"
     reused, reused_log = run_engine(spec(ucm_transfer_config(_config(store, 0.0, "Posix")), [2, 3], before={3: damage}))
+    # The head and one document stored by an engine without CacheBlend (prefix caching: whole blocks only), then
+    # the head and the documents in another order blended at ratio 0 on that store.
+    plain_store = work / "store-plain"
+    backend = {"store_pipeline": "Posix", "storage_backends": str(plain_store)}
+    plain = {"ucm_connectors": [{"ucm_connector_name": "UcmPipelineStore", "ucm_connector_config": backend}]}
+    run_engine(spec(ucm_transfer_config(plain), [6]))
+    plain_blend = ucm_transfer_config(_config(plain_store, 0.0, "Posix", chunk_context="first_chunk"))
+    _, tail_log = run_engine(spec(plain_blend, [5]))
     return {
         "full": full,
         "exact": exact,
@@ -91,6 +99,7 @@ def runs(tmp_path_factory) -> dict:
         "head_log": head_log,
         "question": question,
         "question_log": question_log,
+        "tail_log": tail_log,
         "model": model,
         "prompts": prompts,
     }
@@ -120,11 +129,39 @@ def test_ratio_one_equals_full_prefill(runs) -> None:
 
 
 def test_ratio_zero_reuses_stored_kv_after_a_restart(runs) -> None:
+    """Every chunk token of the run comes from the store after a restart, the chunks' trailing partial blocks too
+    (stored when the first prompt computed the chunks on their own); only the question's tokens are computed."""
+    from transformers import AutoTokenizer
+
+    from ucm.sparse.blend import chunk_spans
+
     (blend,) = _blends(runs["reused_log"])[:1]
     start, end, _, reused, computed, recomputed = blend
-    assert computed == 0 and reused > 0
-    assert recomputed == end - start - reused  # only the tokens without stored KV (the chunks' partial blocks)
+    ids = AutoTokenizer.from_pretrained(runs["model"])(runs["prompts"][2]).input_ids
+    chunks_end = chunk_spans(ids, SEP_ID)[-1][1]
+    assert computed == 0 and reused == chunks_end - start > 0 and chunks_end % 128 != 0
+    assert recomputed == end - chunks_end  # the question but its last token: no stored KV
     assert _max_diff(runs["reused"][0], runs["full"][2]) > 1e-3  # stored, position-moved KV: not the full prefill
+
+
+def test_a_chunk_stored_as_a_plain_prefix_has_its_tail_recomputed(runs) -> None:
+    """A document stored by an engine without CacheBlend (as a prompt's prefix: whole blocks, no partial block) is
+    found by the blend as a chunk after the head: its whole blocks are loaded, its tail is recomputed in place; the
+    head and the other documents, missing, are computed on their own. At ratio 0 only that tail and the question's
+    tokens are recomputed."""
+    from transformers import AutoTokenizer
+
+    from ucm.sparse.blend import chunk_spans
+
+    (blend,) = _blends(runs["tail_log"])
+    start, end, _, reused, computed, recomputed = blend
+    ids = AutoTokenizer.from_pretrained(runs["model"])(runs["prompts"][5]).input_ids
+    spans = chunk_spans(ids, SEP_ID)
+    head, (s, e) = spans[0][1], spans[-1]  # document 1 is the last one in this order
+    tail = (head + e - s) % 128
+    assert tail > 0 and (head + e - s) // 128 >= 1
+    assert start == 0 and computed == 3  # the head (a partial block only), documents 2 and 0
+    assert recomputed == tail + (end - e) and reused == e - tail
 
 
 def test_damaged_chunk_blocks_are_recomputed_exactly(runs) -> None:
@@ -140,8 +177,8 @@ def test_chunks_after_the_first_chunk_share_the_prefix_keys(runs) -> None:
     head + document, which are a prompt's prefix keys: the reordered prompt's first document and the prompt made of
     the head and one document are ordinary prefix hits; at ratio 1 every output is the full prefill's."""
     first, shuffled = _blends(runs["head_log"])[:2]
-    # 4 chunks; each document computed after the head and stored (the head, shorter than a block, has no stored KV)
-    assert first[0] == 0 and first[2] == 4 and first[4] == 3
+    # 4 chunks, each computed and stored: the documents after the head, the head on its own (a partial block)
+    assert first[0] == 0 and first[2] == 4 and first[4] == 4
     assert shuffled[4] == 0 and shuffled[3] > 0  # nothing computed: every document from the store
     reordered, one_doc = runs["head"][1], runs["head"][2]
     assert reordered.hit_external >= 1 and one_doc.hit_external >= 1
@@ -179,8 +216,8 @@ def test_question_selection_recomputes_what_the_question_attends_to(runs) -> Non
     want = blend(model, ids[:chunks_end], store, rule=Rule("question", ((1, 0.3),)), **kwargs)
     deviation = blend(model, ids[:chunks_end], store, rule=Rule("deviation", ((1, 0.3),)), **kwargs)
     assert (want.start, want.recomputed) == (start, recomputed - (end - chunks_end))
-    # The picked tokens: those with stored KV (each chunk's whole blocks; the rest is always recomputed)
-    stored = {p for s, e in chunk_spans(ids, SEP_ID) for p in range(max(s, start), s + (e - s) // 128 * 128)}
+    # The picked tokens: those with stored KV (every chunk token of the run: whole blocks and partial ones)
+    stored = set(range(start, chunks_end))
     assert len(stored) == reused
     picked, reference = engine & stored, set(want.chosen.tolist()) & stored
     assert len(picked) == len(reference) == recompute_count(reused, 0.3)

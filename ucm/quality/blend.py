@@ -7,7 +7,7 @@ size, OpenMP cores; greedy; requests one at a time; vLLM's prefix cache reset be
 - ``full``: full prefill, no KV connector (the baseline every other mode is compared with);
 - ``prefix_only``: UCM (``Cache|Posix`` on a fresh store) without ``ucm_sparse_config``: lossless prefix caching;
 - ``naive_reuse``: UCM with ``Blend`` at ratio 0: the chunks' stored KV reused as stored (keys moved to their new
-  positions), only the tokens without stored KV (each chunk's last, partial block) recomputed;
+  positions), only the tokens without stored KV (the question's) recomputed;
 - ``blend_<r>``: UCM with ``Blend`` at ratio ``r`` (``r = 1``: every token recomputed, the full prefill's KV).
 
 Store-primed pass. A UCM engine first runs one *primer* per length (that length's first item, not scored): it
@@ -236,8 +236,8 @@ def run_blend_quality(
         selection, question_layers: ``Blend.selection`` and ``Blend.question_layers`` (None: not set).
         dtype: the engines' dtype (float32 by default: ratio 1 then reproduces full prefill to float rounding,
             so differences are the blend's, not bf16's summation orders).
-        block_size: vLLM's KV block size (the store's unit: a chunk's last partial block is always recomputed, so
-            smaller blocks reuse more of each document).
+        block_size: vLLM's KV block size (the store's unit; a chunk's last partial block is stored in a block of
+            its own).
         work_dir: engine logs and stores; None: a temporary directory, removed at the end.
         progress: called with each mode's name and report entry as soon as its engine finished.
 

@@ -4,7 +4,7 @@ to compare rules for choosing the tokens to recompute without an engine.
 The blend follows the engine's steps on one prompt whose chunks end with ``chunk_end_id``: the prompt's stored
 prefix (whole blocks of its first chunk, or with ``chunk_context="first_chunk"`` of its head and first document) is
 exact; every later chunk's KV comes from a chunk store (computed on its own, or after the head, from position 0,
-only its whole blocks kept, as the engine stores blocks) with its keys rotated to the chunk's positions
+kept whole: the engine stores a chunk's trailing partial block too) with its keys rotated to the chunk's positions
 (``ucm.kernels.blend.rope_delta_``); the run's tokens go through the decoder layers, and at each stage of the rule
 the computed rows are narrowed to the chosen ones (plus the rows without stored KV, always recomputed), the other
 rows keeping their stored KV from the next layer on. KV here is one contiguous tensor per prompt and attention is
@@ -290,8 +290,7 @@ def blend(
         tokens = tuple(ctx + ids[s:e])
         if tokens not in store:
             store[tokens] = model.prefill(list(tokens))[0]
-        whole = len(tokens) // block_size * block_size  # only whole blocks have a key, so only they are stored
-        lo, hi = max(s, start), min(e, s - len(ctx) + whole)
+        lo, hi = max(s, start), e  # the whole chunk is stored, its trailing partial block too
         if hi <= lo:
             continue
         part = store[tokens][:, :, lo - s + len(ctx) : hi - s + len(ctx)].clone()
@@ -310,6 +309,8 @@ def blend(
     hidden = model.embed(ids[start:])
     stages = dict(rule.stages)
     for i in range(model.num_layers):
+        if not rows.numel():  # nothing left to recompute: every later layer keeps the stored KV
+            break
         q, k, v = model.qkv(i, hidden, positions[rows])
         kv[i, 0, start + rows], kv[i, 1, start + rows] = k, v
         hidden = model.finish(i, hidden, q, positions[rows], kv[i])

@@ -15,8 +15,10 @@ The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
 
 1. Each chunk ``[s, e)`` of the run is looked up under the keys of its own tokens from the request's seed (the
    keys a prompt that begins with the chunk stores its prefix under, so a chunk computed once as a prefix, or as a
-   chunk, anywhere, is found again). Found blocks are loaded; a chunk the store lacks is computed on its own
-   (positions from 0, through the model's layers) and stored under those keys (``store_chunks``). Its keys,
+   chunk, anywhere, is found again), and its trailing partial block, which prefix caching never stores, under a key
+   of its own (``ucm.hashing.partial_block_key``). Found blocks are loaded; a chunk the store lacks is computed on
+   its own (positions from 0, through the model's layers) and stored under those keys, its partial block too
+   (``store_chunks``). Its keys,
    rotated for positions ``0..``, are re-rotated by ``s`` to their positions in this prompt (the RoPE delta,
    ``ucm.kernels.blend.rope_delta_``). With ``chunk_context: first_chunk`` every later chunk is taken as the
    prompt's first chunk ``[0, h)`` (its head) followed by the chunk: looked up under the keys of those tokens,
@@ -25,7 +27,8 @@ The blend of a run ``[start, end)`` of one request (:meth:`Blender.blend`):
 2. The run's stored KV of the layers after the ``compute_meta`` one (up to it every run token is recomputed) is
    written into the request's slots of vLLM's paged cache with vLLM's own cache writer (so
    every CPU kernel variant's layout, ``vec``, ``vec16`` and ``amx``, is written as vLLM writes it); tokens without
-   stored KV (a chunk's trailing partial block has no key) get zeros there, and are always recomputed.
+   stored KV (the question's, or a chunk's tail when the chunk was stored as an ordinary prompt's prefix) get zeros
+   there, and are always recomputed.
 3. The run's tokens go through the model's own decoder layers (vLLM's modules: norms, QKV projection, rotary
    embedding, MLP; called eagerly, the norms through vLLM's fused CPU kernels, ``ucm.integration.vllm.cpu_norms``);
    each layer writes the K and V of the rows it computes into the paged cache and runs vLLM's own
@@ -72,7 +75,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
 from ucm.config import BlendConfig, UcmConfigError, default_question_layers
-from ucm.hashing import block_keys, rank_keys
+from ucm.hashing import block_keys, partial_block_key, rank_keys
 from ucm.integration.vllm.cpu_norms import cpu_norms
 from ucm.integration.vllm.engine_info import KVSpec
 from ucm.integration.vllm.metadata import BlendTransfer
@@ -591,31 +594,40 @@ class Blender:
         """The stored KV of ``tokens`` (a chunk, after ``skip`` tokens of context: the prompt's head, or none) from
         token ``skip`` on, keys moved ``shift`` positions on (RoPE delta, ``ucm.kernels.blend.rope_delta_``): ``[2,
         num_layers, m, num_kv_heads, head_dim]`` (K, then V; a view) for tokens ``skip .. skip + m``, and whether it
-        was computed here (and stored) rather than loaded. ``m``: up to the end of the leading stored blocks (0 if
-        they end before ``skip``), or to the end when computed. Only the blocks from the one holding token ``skip``
-        on are loaded."""
+        was computed here (and stored) rather than loaded.
+
+        The chunk's blocks are keyed as a prompt of ``tokens`` keys its prefix (``ucm.hashing.block_keys``), and
+        its trailing partial block, which prefix caching never stores, under ``ucm.hashing.partial_block_key``.
+        ``m`` runs to the end of the leading stored blocks (0 if they end before ``skip``; the whole chunk when its
+        partial block is stored too, or when computed). A chunk with a full block missing, or with no full block
+        and no stored partial one, is computed on its own and stored (``store_chunks``); one whose full blocks are
+        all stored but not its tail (stored as an ordinary prompt's prefix) is loaded as it is, and its tail is
+        recomputed in place. Only the blocks from the one holding token ``skip`` on are loaded."""
         spec, bs = self._spec, self._spec.block_size
         layers = len(self._layers)
-        keys = rank_keys(block_keys(seed, tokens, bs), 0, 1)
+        full = block_keys(seed, tokens, bs)
+        tail = len(tokens) - len(full) * bs
+        keys = rank_keys(full + ([partial_block_key(full[-1] if full else seed, tokens[-tail:])] if tail else []), 0, 1)
         found = self._store.lookup(keys) if keys else 0
-        if found < len(keys) and self._cfg.store_chunks:
-            n = len(tokens)
-            kv = torch.zeros((layers, 2, n, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
-            nb = -(-n // bs)  # a scratch paged KV of the chunk's blocks, in the layers' layout
-            scratch = {
+        if found < len(keys) and (found < len(full) or not full) and self._cfg.store_chunks:
+            n, nb = len(tokens), len(keys)
+            kv = torch.zeros((layers, 2, nb * bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+            scratch = {  # a scratch paged KV of the chunk's blocks, in the layers' layout
                 name: torch.zeros((nb, spec.num_kv_heads, bs, 2 * spec.head_dim), dtype=spec.dtype)
                 for name in self._kv_caches
             }
             table = torch.arange(nb, dtype=torch.int32)[None, :]
             slots = torch.arange(n)
-            self._run_layers(tokens, torch.arange(n), scratch, table, slots, kv, torch.zeros(n, dtype=torch.bool))
+            computed = kv[:, :, :n]  # the tail block's padding stays zeros
+            self._run_layers(tokens, torch.arange(n), scratch, table, slots, computed, torch.zeros(n, dtype=torch.bool))
             missing = keys[found:]
-            blocks = kv[:, :, found * bs : len(keys) * bs].unflatten(2, (len(missing), bs)).permute(2, 0, 1, 3, 4, 5)
+            blocks = kv[:, :, found * bs :].unflatten(2, (len(missing), bs)).permute(2, 0, 1, 3, 4, 5)
             rows = blocks.contiguous().view(torch.uint8).view(len(missing), -1)
             result = self._store.dump(missing, rows).result(self._timeout_s)
             if result.failed:
                 logger.warning("blend: %d of %d chunk blocks failed to store", len(result.failed), len(missing))
             chunk, first, was_computed = kv.transpose(0, 1).contiguous(), 0, True
+            valid = n
         else:
             first = skip // bs  # the block holding token `skip`: the head's earlier blocks are not needed
             n = max(found - first, 0)
@@ -629,6 +641,7 @@ class Blender:
             chunk = torch.empty((2, layers, n * bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
             chunk.view(2, layers, n, bs, spec.num_kv_heads, spec.head_dim).copy_(staging[:n].permute(2, 1, 0, 3, 4, 5))
             was_computed = False
+            valid = min(n * bs, len(tokens) - first * bs)  # a loaded partial block: its tokens, not its padding
         if shift and chunk.shape[2]:  # every layer's keys at once: one [layers * tokens, heads, head_dim] view
             assert self._rope is not None
             keys_view = chunk[0].view(-1, spec.num_kv_heads, spec.head_dim)
@@ -639,7 +652,7 @@ class Blender:
                 base=self._rope.base,
                 neox=self._rope.neox,
             )
-        return chunk[:, :, skip - first * bs :], was_computed
+        return chunk[:, :, skip - first * bs : valid], was_computed
 
     def _run_layers(
         self,
