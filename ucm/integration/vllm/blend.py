@@ -88,6 +88,9 @@ logger = init_logger(__name__)
 
 _loaded_models: list[weakref.ref[torch.nn.Module]] = []
 
+# The largest run KV (all layers, K and V) a Blender keeps a buffer for between runs, bytes.
+RUN_KV_BUFFER_BYTES = 256 << 20
+
 
 def install_model_capture() -> None:
     """Make this process remember the models vLLM loads (wraps ``BaseModelLoader.load_model``; idempotent): the
@@ -402,6 +405,7 @@ class Blender:
         self._rope: _Rope | None = None
         self._question_layers = range(0)
         self._layer_of: dict[str, int] = {}  # attention layer name -> decoder layer index
+        self._kv_buffer: torch.Tensor | None = None  # the runs' KV, reused (see _run_kv)
 
     def bind(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> None:
         """Take vLLM's paged KV and find the model's layers (at ``register_kv_caches``, after the model loaded).
@@ -500,7 +504,7 @@ class Blender:
         start, end = t.start, t.end
         n = end - start
         num_layers = len(self._layers)
-        kv = torch.empty((num_layers, 2, n, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+        kv = self._run_kv((num_layers, 2, n, spec.num_kv_heads, spec.head_dim))
         stored = torch.zeros(n, dtype=torch.bool)
         reused = computed = 0
         # With chunk_context 'first_chunk', each later chunk's KV is that of the head (the first chunk) followed by
@@ -556,6 +560,21 @@ class Blender:
         )
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request_id: %s, blend recomputed positions: %s", t.req_id, (rows + start).tolist())
+
+    def _run_kv(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` in the KV dtype for one run's KV, a view of a buffer kept from run to
+        run (grown as needed) when it takes at most :data:`RUN_KV_BUFFER_BYTES`: a fresh tensor of more than 32 MiB
+        is new memory each time (glibc maps it), whose first writes fault in every page; larger runs get a fresh
+        tensor, not kept. Runs are blended one at a time, so one buffer serves them all."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        dtype = self._spec.dtype
+        if numel * dtype.itemsize > RUN_KV_BUFFER_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        if self._kv_buffer is None or self._kv_buffer.numel() < numel:
+            self._kv_buffer = torch.empty(numel, dtype=dtype)
+        return self._kv_buffer[:numel].view(shape)
 
     def _question_scores(
         self, query_ids: list[int], prefix_blocks: torch.Tensor, start: int, kv: torch.Tensor
