@@ -6,7 +6,7 @@ No engine: a paged cache filled by vLLM's own ``cpu_attn_reshape_and_cache`` (th
 variant vLLM picks here: ``vec`` for fp32; ``amx`` for bf16 on a CPU with AMX tiles, ``vec`` elsewhere), the
 metadata built by ``cpu_attention_metadata`` as the blend's pass builds it, then ``cpu_attention_with_kv_cache``.
 The reference attends in float64, so a wrong sequence length or query offset in a request fails it. Also the
-buffer the blend keeps for its runs' KV (``Blender._run_kv``).
+buffers the blend keeps from request to request (``Blender._kept``).
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def test_runs_of_rows_attend_causally_up_to_their_positions(dtype: torch.dtype) 
     torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_run_kv_reuses_one_buffer_up_to_its_cap(monkeypatch) -> None:
-    """One run's KV at a time: runs up to ``RUN_KV_BUFFER_BYTES`` get views of one buffer kept between runs (grown
-    when a run needs more); a larger run gets a tensor of its own, not kept."""
+def test_blend_buffers_are_kept_up_to_their_cap(monkeypatch) -> None:
+    """The blend's buffers (``Blender._kept``): a name's tensors up to ``BLEND_BUFFER_BYTES`` are views of one
+    buffer kept from blend to blend (grown when a blend needs more); each name has its own; a larger tensor is fresh
+    and not kept."""
     import ucm.integration.vllm.blend as blend_module
     from ucm.config import BlendConfig
     from ucm.integration.vllm.blend import Blender
@@ -91,13 +92,14 @@ def test_run_kv_reuses_one_buffer_up_to_its_cap(monkeypatch) -> None:
 
     spec = KVSpec(("l0", "l1"), BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.bfloat16)
     blender = Blender(BlendConfig(chunk_end_token_id=5), None, spec, None, 1.0)  # type: ignore[arg-type]
-    small = blender._run_kv((2, 2, 10, KV_HEADS, HEAD_DIM))
-    again = blender._run_kv((2, 2, 7, KV_HEADS, HEAD_DIM))
+    small = blender._kept("kv", (2, 2, 10, KV_HEADS, HEAD_DIM))
+    again = blender._kept("kv", (2, 2, 7, KV_HEADS, HEAD_DIM))
     assert small.dtype == torch.bfloat16 and small.shape == (2, 2, 10, KV_HEADS, HEAD_DIM)
     assert again.data_ptr() == small.data_ptr() and again.is_contiguous()
-    grown = blender._run_kv((2, 2, 40, KV_HEADS, HEAD_DIM))
-    assert grown.shape[2] == 40 and blender._run_kv((2, 2, 40, KV_HEADS, HEAD_DIM)).data_ptr() == grown.data_ptr()
-    monkeypatch.setattr(blend_module, "RUN_KV_BUFFER_BYTES", 2 * 2 * 40 * KV_HEADS * HEAD_DIM * 2)
-    big = blender._run_kv((2, 2, 41, KV_HEADS, HEAD_DIM))
+    assert blender._kept("chunk", (2, 2, 10, KV_HEADS, HEAD_DIM)).data_ptr() != small.data_ptr()
+    grown = blender._kept("kv", (2, 2, 40, KV_HEADS, HEAD_DIM))
+    assert grown.shape[2] == 40 and blender._kept("kv", (2, 2, 40, KV_HEADS, HEAD_DIM)).data_ptr() == grown.data_ptr()
+    monkeypatch.setattr(blend_module, "BLEND_BUFFER_BYTES", 2 * 2 * 40 * KV_HEADS * HEAD_DIM * 2)
+    big = blender._kept("kv", (2, 2, 41, KV_HEADS, HEAD_DIM))
     assert big.data_ptr() != grown.data_ptr()
-    assert blender._run_kv((2, 2, 40, KV_HEADS, HEAD_DIM)).data_ptr() == grown.data_ptr()  # the kept buffer
+    assert blender._kept("kv", (2, 2, 40, KV_HEADS, HEAD_DIM)).data_ptr() == grown.data_ptr()  # the kept buffer

@@ -88,8 +88,8 @@ logger = init_logger(__name__)
 
 _loaded_models: list[weakref.ref[torch.nn.Module]] = []
 
-# The largest run KV (all layers, K and V) a Blender keeps a buffer for between runs, bytes.
-RUN_KV_BUFFER_BYTES = 256 << 20
+# The largest buffer a Blender keeps from blend to blend (the run's KV, a chunk's blocks), bytes.
+BLEND_BUFFER_BYTES = 256 << 20
 
 
 def install_model_capture() -> None:
@@ -405,7 +405,7 @@ class Blender:
         self._rope: _Rope | None = None
         self._question_layers = range(0)
         self._layer_of: dict[str, int] = {}  # attention layer name -> decoder layer index
-        self._kv_buffer: torch.Tensor | None = None  # the runs' KV, reused (see _run_kv)
+        self._buffers: dict[str, torch.Tensor] = {}  # kept from blend to blend (see _kept)
 
     def bind(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout) -> None:
         """Take vLLM's paged KV and find the model's layers (at ``register_kv_caches``, after the model loaded).
@@ -504,7 +504,7 @@ class Blender:
         start, end = t.start, t.end
         n = end - start
         num_layers = len(self._layers)
-        kv = self._run_kv((num_layers, 2, n, spec.num_kv_heads, spec.head_dim))
+        kv = self._kept("kv", (num_layers, 2, n, spec.num_kv_heads, spec.head_dim))
         stored = torch.zeros(n, dtype=torch.bool)
         reused = computed = 0
         # With chunk_context 'first_chunk', each later chunk's KV is that of the head (the first chunk) followed by
@@ -561,20 +561,23 @@ class Blender:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request_id: %s, blend recomputed positions: %s", t.req_id, (rows + start).tolist())
 
-    def _run_kv(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """An uninitialized tensor of ``shape`` in the KV dtype for one run's KV, a view of a buffer kept from run to
-        run (grown as needed) when it takes at most :data:`RUN_KV_BUFFER_BYTES`: a fresh tensor of more than 32 MiB
-        is new memory each time (glibc maps it), whose first writes fault in every page; larger runs get a fresh
-        tensor, not kept. Runs are blended one at a time, so one buffer serves them all."""
+    def _kept(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` in the KV dtype: a view of buffer ``name``, kept from blend to blend
+        (grown as needed), when it takes at most :data:`BLEND_BUFFER_BYTES`; else a fresh tensor, not kept. Memory
+        freed and allocated again is slow to touch the first time (glibc returns large blocks to the kernel, and a
+        virtual machine's kernel may hand free pages back to its host), so the blend keeps the buffers it fills on
+        every request: the run's KV (``"kv"``), a chunk's loaded blocks (``"staging"``) and its K/V planes
+        (``"chunk"``). Blends run one at a time, and each view is used up before its name is asked for again."""
         numel = 1
         for d in shape:
             numel *= d
         dtype = self._spec.dtype
-        if numel * dtype.itemsize > RUN_KV_BUFFER_BYTES:
+        if numel * dtype.itemsize > BLEND_BUFFER_BYTES:
             return torch.empty(shape, dtype=dtype)
-        if self._kv_buffer is None or self._kv_buffer.numel() < numel:
-            self._kv_buffer = torch.empty(numel, dtype=dtype)
-        return self._kv_buffer[:numel].view(shape)
+        kept = self._buffers.get(name)
+        if kept is None or kept.numel() < numel:
+            kept = self._buffers[name] = torch.empty(numel, dtype=dtype)
+        return kept[:numel].view(shape)
 
     def _question_scores(
         self, query_ids: list[int], prefix_blocks: torch.Tensor, start: int, kv: torch.Tensor
@@ -650,14 +653,18 @@ class Blender:
         else:
             first = skip // bs  # the block holding token `skip`: the head's earlier blocks are not needed
             n = max(found - first, 0)
-            staging = torch.empty((n, layers, 2, bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+            staging = self._kept("staging", (n, layers, 2, bs, spec.num_kv_heads, spec.head_dim))
             if n:
                 load = self._store.load(keys[first:found], staging.view(torch.uint8).view(n, -1))
-                result = load.result(self._timeout_s)
+                try:
+                    result = load.result(self._timeout_s)
+                except BaseException:  # a load still under way may write into the buffer later: never reuse it
+                    self._buffers.pop("staging", None)
+                    raise
                 if result.failed:  # a damaged or vanished block: the chunk's stored KV ends before it
                     n = min(result.failed)
             # blocks [n, L, 2, bs, ...] -> [2, L, n * bs, ...]: one copy
-            chunk = torch.empty((2, layers, n * bs, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+            chunk = self._kept("chunk", (2, layers, n * bs, spec.num_kv_heads, spec.head_dim))
             chunk.view(2, layers, n, bs, spec.num_kv_heads, spec.head_dim).copy_(staging[:n].permute(2, 1, 0, 3, 4, 5))
             was_computed = False
             valid = min(n * bs, len(tokens) - first * bs)  # a loaded partial block: its tokens, not its padding
