@@ -82,6 +82,21 @@ def request_seed(namespace_digest: bytes, cache_salt: str | None = None, lora_na
     return _digest(b"ucm-request", namespace_digest, extras)
 
 
+def _uint32_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``token_ids`` as an int64 array, checked: 1-D, integers, each in ``[0, 2**32)`` (empty is fine).
+
+    Raises:
+        ValueError: not a 1-D integer sequence, or a token id outside uint32.
+    """
+    # No dtype forced here: a forced int64 conversion would truncate floats and overflow (OverflowError) on huge ints.
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise ValueError(f"token ids must be a 1-D sequence of integers, got {tokens.ndim}-D {tokens.dtype}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return tokens.astype(np.int64)
+
+
 def block_keys(
     seed: bytes,
     token_ids: Sequence[int] | np.ndarray,
@@ -114,13 +129,7 @@ def block_keys(
         raise ValueError("start_parent must be given exactly when start_block > 0")
     if start_parent is not None and len(start_parent) != KEY_NBYTES:
         raise ValueError(f"start_parent must be a {KEY_NBYTES}-byte key, got {len(start_parent)} bytes")
-    # No dtype forced here: a forced int64 conversion would truncate floats and overflow (OverflowError) on huge ints.
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-        raise ValueError(f"token ids must be a 1-D sequence of integers, got {tokens.ndim}-D {tokens.dtype}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 32):
-        raise ValueError("token ids must be in [0, 2**32)")
-    tokens = tokens.astype(np.int64)
+    tokens = _uint32_tokens(token_ids)
     num_full = tokens.size // block_size
     if not 0 <= start_block <= num_full:
         raise ValueError(f"start_block must be in [0, {num_full}] (the number of full blocks), got {start_block}")
@@ -149,11 +158,9 @@ def partial_block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """
     if len(parent) != KEY_NBYTES:
         raise ValueError(f"parent must be a {KEY_NBYTES}-byte key, got {len(parent)} bytes")
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 1 or not tokens.size or tokens.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be a non-empty 1-D sequence of integers, got {tokens.ndim}-D {tokens.dtype}")
-    if tokens.min() < 0 or tokens.max() >= 1 << 32:
-        raise ValueError("token ids must be in [0, 2**32)")
+    tokens = _uint32_tokens(token_ids)
+    if not tokens.size:
+        raise ValueError("token ids must be a non-empty 1-D sequence of integers, got none")
     h = hashlib.blake2b(digest_size=KEY_NBYTES, person=b"ucm-partial")
     h.update(parent)
     h.update(tokens.astype("<u4").tobytes())

@@ -291,8 +291,6 @@ def blend(
         if tokens not in store:
             store[tokens] = model.prefill(list(tokens))[0]
         lo, hi = max(s, start), e  # the whole chunk is stored, its trailing partial block too
-        if hi <= lo:
-            continue
         part = store[tokens][:, :, lo - s + len(ctx) : hi - s + len(ctx)].clone()
         keys = part[:, 0].reshape(-1, model.num_kv_heads, model.head_dim)
         model.rotate_(keys, torch.full((keys.shape[0],), s - len(ctx), dtype=torch.int64))

@@ -65,6 +65,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -568,9 +569,7 @@ class Blender:
         virtual machine's kernel may hand free pages back to its host), so the blend keeps the buffers it fills on
         every request: the run's KV (``"kv"``), a chunk's loaded blocks (``"staging"``) and its K/V planes
         (``"chunk"``). Blends run one at a time, and each view is used up before its name is asked for again."""
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         dtype = self._spec.dtype
         if numel * dtype.itemsize > BLEND_BUFFER_BYTES:
             return torch.empty(shape, dtype=dtype)

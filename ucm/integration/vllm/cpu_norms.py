@@ -18,6 +18,7 @@ place; in float32 only the summation order differs.
 """
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -62,8 +63,10 @@ def _kernels_present() -> bool:
     return hasattr(ops, "rms_norm") and hasattr(ops, "fused_add_rms_norm")
 
 
+@functools.cache
 def register_cpu_norms() -> bool:
-    """Register :data:`PROVIDER` for ``vllm.ir.ops.rms_norm`` and ``fused_add_rms_norm`` (idempotent). Call it before
+    """Register :data:`PROVIDER` for ``vllm.ir.ops.rms_norm`` and ``fused_add_rms_norm`` (once per process; later
+    calls return the first call's answer). Call it before
     vLLM's worker sets its op priorities (UCM's ``vllm.general_plugins`` entry point does), or vLLM logs a warning
     that an impl was registered while a priority was set. Returns whether the provider is usable here: vLLM's CPU
     platform with the C++ kernels present."""
